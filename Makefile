@@ -1,0 +1,30 @@
+# The README's two commands: `make serve` and `make test`. Each creates .venv and
+# installs what it needs when missing (CPU torch on machines without a GPU).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test install bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# NOTE: the CPU wheel first, so nothing later resolves torch to a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m cluster.serve_local
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m loadtests.bench_engine
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Attention backends behind one seam; one KV layout serves them all."""

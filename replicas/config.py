@@ -1,0 +1,145 @@
+"""Engine and sampling configuration: frozen plain data that checks itself.
+
+Invalid values raise ValueError naming the field and its allowed range, so the
+ingress can turn them into a 400 without knowing the rules twice.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from deltas.types import OutputKind
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(ok: bool, name: str, allowed: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v))
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: sampled token plus top-k
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    output_kind: OutputKind = OutputKind.DELTA
+
+    def __post_init__(self) -> None:
+        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
+               "temperature", "a number in [0, 100]", self.temperature)
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
+               "top_p", "a number in (0, 1]", self.top_p)
+        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+               "top_k", "-1 (all) or an integer >= 1", self.top_k)
+        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
+               "min_p", "a number in [0, 1]", self.min_p)
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+               "seed", "null or an integer in [0, 2**63)", self.seed)
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", "null or an integer >= 1", self.max_tokens)
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+               "min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens",
+                   f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        ids = tuple(self.stop_token_ids or ())
+        _check(all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids",
+               "a list of non-negative integers", self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean", self.ignore_eos)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               "logprobs", "null or an integer in [0, 20]", self.logprobs)
+        _check(_is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+               "presence_penalty", "a number in [-2, 2]", self.presence_penalty)
+        _check(_is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+               "frequency_penalty", "a number in [-2, 2]", self.frequency_penalty)
+        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+               "repetition_penalty", "a number in (0, 2]", self.repetition_penalty)
+        try:
+            object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
+        except ValueError:
+            raise ValueError(f"output_kind must be one of {[k.name for k in OutputKind]}, "
+                             f"got {self.output_kind!r}") from None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    model: str = "tiny"  # a preset name ("tiny", "small") or a local HF directory
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's own context length
+    block_size: int = 16
+    # KV budget: a fixed number of blocks, or a size in GiB; the blocks win if both.
+    num_kv_blocks: int | None = None
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    num_scheduler_steps: int = 8
+    async_output: bool = True
+    # True: each decode step's tokens reach consumers as soon as the step is done;
+    # False: only at the end of a multi-step window (the comparison baseline).
+    release_per_step: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton | flash-attn
+    seed: int = 0
+    # Waiting-queue bounds; past them add_request raises EngineOverloaded.
+    max_waiting_requests: int | None = None
+    max_waiting_prompt_tokens: int | None = None
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: leave as is
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and bool(self.model), "model",
+               "a preset name or a model directory", self.model)
+        _check(self.dtype in _DTYPES, "dtype", f"one of {_DTYPES}", self.dtype)
+        _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
+               "max_model_len", "null or an integer >= 1", self.max_model_len)
+        _check(_is_int(self.block_size) and self.block_size >= 1
+               and self.block_size & (self.block_size - 1) == 0,
+               "block_size", "a power of two >= 1", self.block_size)
+        _check(self.num_kv_blocks is None or (_is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1),
+               "num_kv_blocks", "null or an integer >= 1", self.num_kv_blocks)
+        _check(_is_num(self.kv_cache_gib) and self.kv_cache_gib > 0,
+               "kv_cache_gib", "a number > 0", self.kv_cache_gib)
+        _check(_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 4096,
+               "max_num_seqs", "an integer in [1, 4096]", self.max_num_seqs)
+        _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 16,
+               "max_num_batched_tokens", "an integer >= 16", self.max_num_batched_tokens)
+        _check(_is_int(self.num_scheduler_steps) and 1 <= self.num_scheduler_steps <= 64,
+               "num_scheduler_steps", "an integer in [1, 64]", self.num_scheduler_steps)
+        _check(isinstance(self.async_output, bool), "async_output", "a boolean", self.async_output)
+        _check(isinstance(self.release_per_step, bool), "release_per_step", "a boolean",
+               self.release_per_step)
+        _check(self.attention_backend in ("auto", "torch", "triton", "flash-attn"),
+               "attention_backend", "one of auto, torch, triton, flash-attn",
+               self.attention_backend)
+        for name in ("max_waiting_requests", "max_waiting_prompt_tokens", "num_threads"):
+            v = getattr(self, name)
+            _check(v is None or (_is_int(v) and v >= 1), name, "null or an integer >= 1", v)
