@@ -1,0 +1,164 @@
+"""Runs the model for one scheduling decision: one mixed step, or a window of N
+decode steps whose inputs advance in place on the device.
+
+The step's only host sync is `_host_sync` (the sampled ids, and logprobs when
+asked, in one tensor); everything else stays on the device.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from replicas.attention.base import AttentionBackend, AttentionMetadata
+from replicas.config import EngineConfig
+from replicas.models.loader import load_model
+from replicas.models.model_config import ModelConfig
+from replicas.request import Request
+from replicas.sampler import SamplingBatch, build_sampling_batch, sample_no_sync
+from replicas.scheduler import SchedulerOutput
+from replicas.step_advance import advance_decode_inputs_
+
+logger = logging.getLogger("stepstream")
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# (step index in the window, rows sampled, host copy of the packed sample tensor)
+StepCallback = Callable[[int, list[Request], list], None]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # (num_sampled,) rows of T to sample from
+    sampled_rows: list[Request]
+
+
+def _select_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    try:
+        from replicas.attention.selector import select_attention_backend
+    except ImportError:
+        from replicas.attention.torch_backend import TorchAttentionBackend
+        if config.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"attention_backend {config.attention_backend!r} is not available")
+        return TorchAttentionBackend()
+    return select_attention_backend(config.attention_backend, device,
+                                    getattr(torch, config.dtype), config.block_size)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str, max_model_len: int):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.model_config = ModelConfig.from_dir(model_dir)
+        # rope tables cover the longest window that may run past max_model_len
+        self.model = load_model(model_dir, config.dtype, self.device,
+                                max_model_len + config.num_scheduler_steps + 1)
+        self.backend = _select_backend(config, self.device)
+        logger.info("attention backend: %s", self.backend.name)
+        self.num_blocks = self._num_blocks(max_model_len)
+        mc = self.model_config
+        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        dtype = getattr(torch, config.dtype)
+        # NOTE: zeros, not empty: masked-out slots still meet the softmax weights,
+        # and 0 * NaN garbage would poison the output.
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                           torch.zeros(shape, dtype=dtype, device=self.device))
+                          for _ in range(mc.num_layers)]
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        mc = self.model_config
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim \
+            * _DTYPE_BYTES[self.config.dtype]
+        budget = int(self.config.kv_cache_gib * 2**30) // per_block
+        # no use for more blocks than max_num_seqs full-length sequences
+        per_seq = -(-(max_model_len + self.config.num_scheduler_steps) // self.block_size)
+        return max(1, min(budget, per_seq * self.config.max_num_seqs))
+
+    # -- inputs ---------------------------------------------------------------
+    def _block_table_tensor(self, reqs: list[Request]) -> torch.Tensor:
+        width = max(len(r.block_ids) for r in reqs)
+        rows = [r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        prefill_seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        rows: list[Request] = []
+        for s in sched.prefill_seqs:
+            req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
+            ids += req.token_ids_slice(start, start + n)
+            table = req.block_ids
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            query_start.append(query_start[-1] + n)
+            prefill_seq_lens.append(start + n)
+            if s.do_sample:
+                logits_indices.append(query_start[-1] - 1)
+                rows.append(req)
+        num_prefill_tokens = len(ids)
+        decode_seq_lens = []
+        for s in sched.decode_seqs:
+            req, p = s.request, s.num_computed_tokens
+            ids.append(req.output_token_ids[-1])
+            positions.append(p)
+            slots.append(req.block_ids[p // bs] * bs + p % bs)
+            decode_seq_lens.append(p + 1)
+            logits_indices.append(len(ids) - 1)
+            rows.append(req)
+        dev = self.device
+        decode_reqs = [s.request for s in sched.decode_seqs]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_prefills=len(sched.prefill_seqs),
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_query_start_loc=query_start,
+            prefill_seq_lens=prefill_seq_lens,
+            prefill_block_tables=(self._block_table_tensor([s.request for s in sched.prefill_seqs])
+                                  if sched.prefill_seqs else None),
+            num_decodes=len(decode_reqs),
+            decode_seq_lens=(torch.tensor(decode_seq_lens, dtype=torch.int32, device=dev)
+                             if decode_reqs else None),
+            decode_block_tables=self._block_table_tensor(decode_reqs) if decode_reqs else None,
+            # NOTE: covers the whole window, so it stays valid as lengths grow
+            max_decode_seq_len=max(decode_seq_lens, default=0) + sched.num_steps - 1,
+        )
+        return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev),
+                          torch.tensor(positions, dtype=torch.int64, device=dev), meta,
+                          torch.tensor(logits_indices, dtype=torch.int64, device=dev), rows)
+
+    # -- execution ------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, on_step: StepCallback) -> None:
+        inputs = self.prepare_inputs(sched)
+        sampling = build_sampling_batch(inputs.sampled_rows, self.model_config.vocab_size, self.device)
+        if sched.num_steps > 1 and sched.prefill_seqs:
+            raise AssertionError("a multi-step window holds decodes only")
+        for step in range(sched.num_steps):
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                self.backend, inputs.logits_indices)
+            sampled, packed = sample_no_sync(logits, sampling)
+            if step + 1 < sched.num_steps:
+                meta = inputs.meta
+                advance_decode_inputs_(inputs.input_ids, inputs.positions, meta.decode_seq_lens,
+                                       meta.slot_mapping, sampled, meta.decode_block_tables,
+                                       self.block_size)
+            on_step(step, inputs.sampled_rows, self._host_sync(packed))
+
+    @staticmethod
+    def _host_sync(packed: torch.Tensor) -> list:
+        """NOTE: the step's one device-to-host sync point."""
+        return packed.tolist()

@@ -1,0 +1,100 @@
+"""Turns each step's sampled ids into per-request deltas: one loop over the batch,
+O(1) work per new token (no output is ever rebuilt or re-decoded).
+
+With async output the loop for step k runs on its own thread while step k+1
+computes (torch releases the GIL inside its kernels). The processor alone decides
+where a request stops (EOS, stop token, max_tokens, model context); requests that
+finished are handed back to the engine thread through `finished`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from deltas.types import FinishReason, TokenDelta
+from replicas.request import Request
+
+
+class OutputProcessor:
+    def __init__(self, max_model_len: int, async_output: bool, release_per_step: bool):
+        self.max_model_len = max_model_len
+        self.release_per_step = release_per_step
+        self._executor = ThreadPoolExecutor(1, "stepstream-output") if async_output else None
+        self._pending: deque[Future] = deque()
+        self.finished: deque[Request] = deque()  # appended here, drained by the engine
+        self._held_sinks: list = []  # per-window release: sinks to wake at window end
+        self.num_output_tokens = 0
+
+    # -- engine-thread side ---------------------------------------------------
+    def submit(self, rows: list[Request], sampled: list, counts: list[int], is_window_end: bool) -> None:
+        if self._executor is None:
+            self.process_step(rows, sampled, counts, is_window_end)
+            return
+        self._pending.append(self._executor.submit(self.process_step, rows, sampled, counts,
+                                                   is_window_end))
+
+    def wait(self, max_pending_steps: int = 0) -> None:
+        """Block until at most `max_pending_steps` submitted steps are unprocessed."""
+        while len(self._pending) > max_pending_steps:
+            self._pending.popleft().result()  # re-raises an output-thread error here
+
+    def finish_now(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a request outside the step loop (abort, error): after wait()."""
+        if req.is_finished:
+            return
+        n = len(req.output_token_ids) if req.num_final_output_tokens is None else req.num_final_output_tokens
+        req.finish_reason, req.num_final_output_tokens = reason, min(n, len(req.output_token_ids))
+        req.sink.put(TokenDelta(req.request_id, [], finish_reason=reason, error=error,
+                                num_prompt_tokens=req.num_prompt_tokens,
+                                num_output_tokens=req.num_final_output_tokens))
+        self.finished.append(req)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # -- the per-step loop (output thread when async) ---------------------------
+    def process_step(self, rows: list[Request], sampled: list, counts: list[int], is_window_end: bool) -> None:
+        notify = self.release_per_step or is_window_end
+        with_logprobs = bool(sampled) and isinstance(sampled[0], list)
+        max_model_len = self.max_model_len
+        held = self._held_sinks
+        for i, req in enumerate(rows):
+            if req.finish_reason is not None:
+                continue  # stopped earlier in this window: its extra tokens drop
+            n = counts[i]
+            if with_logprobs:
+                packed = sampled[i]
+                token = int(packed[0])
+            else:
+                token = sampled[i]
+            reason = None
+            if token in req.stop_token_ids and n > req.params.min_tokens:
+                reason, stop_reason = FinishReason.STOP, token
+            elif n >= req.max_output_tokens or req.num_prompt_tokens + n >= max_model_len:
+                reason, stop_reason = FinishReason.LENGTH, None
+            delta = TokenDelta(req.request_id, [token], num_prompt_tokens=req.num_prompt_tokens,
+                               num_output_tokens=n)
+            if with_logprobs and req.params.logprobs is not None:
+                self._attach_logprobs(delta, packed, req.params.logprobs)
+            if reason is not None:
+                delta.finish_reason, delta.stop_reason = reason, stop_reason
+                req.finish_reason, req.num_final_output_tokens = reason, n
+                self.finished.append(req)
+                if not notify:
+                    # skipped by the window's last step: woken at the window end
+                    held.append(req.sink)
+            req.sink.put(delta, notify)
+        self.num_output_tokens += len(rows)
+        if is_window_end and held:
+            for sink in held:
+                sink.notify()
+            held.clear()
+
+    @staticmethod
+    def _attach_logprobs(delta: TokenDelta, packed: list, k: int) -> None:
+        delta.logprobs = [packed[1]]
+        if k > 0:
+            width = (len(packed) - 2) // 2
+            ids, lps = packed[2:2 + k], packed[2 + width:2 + width + k]
+            delta.top_logprobs = [[(int(t), lp) for t, lp in zip(ids, lps)]]

@@ -1,0 +1,158 @@
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p,
+per-request seeds, presence/frequency/repetition penalties, min_tokens, logprobs.
+
+`SamplingBatch` is built once per scheduling decision (a multi-step window reuses
+it, updating its counters on the device), and `sample_no_sync` returns a device
+tensor: the caller makes the step's single host sync on it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replicas.request import Request
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    num_rows: int
+    all_greedy: bool
+    temperatures: torch.Tensor | None  # (B,) with 1.0 on greedy rows
+    greedy_rows: torch.Tensor | None  # (B,) bool
+    top_k: torch.Tensor | None  # (B,) int64, vocab size where unused
+    top_p: torch.Tensor | None  # (B,) float
+    min_p: torch.Tensor | None  # (B,) float
+    seeded_rows: list[tuple[int, torch.Generator]]
+    # penalties: counts of output tokens, and which tokens the prompt holds
+    output_counts: torch.Tensor | None  # (B, V) float
+    prompt_mask: torch.Tensor | None  # (B, V) bool
+    presence: torch.Tensor | None  # (B, 1)
+    frequency: torch.Tensor | None  # (B, 1)
+    repetition: torch.Tensor | None  # (B, 1)
+    # min_tokens: stop tokens are banned while num_outputs < min_tokens
+    stop_token_mask: torch.Tensor | None  # (B, V) bool
+    num_outputs: torch.Tensor | None  # (B,) int64, advanced each step
+    min_tokens: torch.Tensor | None  # (B,) int64
+    max_num_logprobs: int  # -1: no row wants logprobs
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return self.max_num_logprobs >= 0
+
+
+def build_sampling_batch(rows: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+    params = [r.params for r in rows]
+    B = len(rows)
+    all_greedy = all(p.is_greedy for p in params)
+    temps = greedy = top_k = top_p = min_p = None
+    if not all_greedy:
+        temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params],
+                             dtype=torch.float32, device=device)
+        greedy = torch.tensor([p.is_greedy for p in params], device=device)
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    seeded = []
+    for i, r in enumerate(rows):
+        if r.params.seed is not None and not r.params.is_greedy:
+            if r.generator is None:
+                r.generator = torch.Generator(device=device).manual_seed(r.params.seed)
+            seeded.append((i, r.generator))
+    counts = prompt_mask = presence = frequency = repetition = None
+    if any(p.has_penalties for p in params):
+        # NOTE: O(tokens so far) once per decision, only for batches with penalties.
+        counts = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
+        prompt_mask = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
+        for i, r in enumerate(rows):
+            if r.params.has_penalties:
+                if r.output_token_ids:
+                    ids = torch.tensor(r.output_token_ids, device=device)
+                    counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
+                prompt_mask[i, torch.tensor(r.prompt_token_ids, device=device)] = True
+        presence = torch.tensor([[p.presence_penalty] for p in params], device=device)
+        frequency = torch.tensor([[p.frequency_penalty] for p in params], device=device)
+        repetition = torch.tensor([[p.repetition_penalty] for p in params], device=device)
+    stop_mask = num_outputs = min_tokens = None
+    if any(p.min_tokens > 0 for p in params):
+        stop_mask = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
+        for i, r in enumerate(rows):
+            if r.params.min_tokens and r.stop_token_ids:
+                stop_mask[i, torch.tensor(sorted(r.stop_token_ids), device=device)] = True
+        num_outputs = torch.tensor([len(r.output_token_ids) for r in rows], device=device)
+        min_tokens = torch.tensor([p.min_tokens for p in params], device=device)
+    max_lp = max((p.logprobs if p.logprobs is not None else -1) for p in params)
+    return SamplingBatch(B, all_greedy, temps, greedy, top_k, top_p, min_p, seeded, counts,
+                         prompt_mask, presence, frequency, repetition, stop_mask, num_outputs,
+                         min_tokens, max_lp)
+
+
+def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    seen = (sb.output_counts > 0) | sb.prompt_mask
+    rep = sb.repetition.expand_as(logits)
+    logits = torch.where(seen & (logits > 0), logits / rep, logits)
+    logits = torch.where(seen & (logits <= 0), logits * rep, logits)
+    logits = logits - sb.frequency * sb.output_counts
+    return logits - sb.presence * (sb.output_counts > 0).float()
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if sb.top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= sb.top_k.unsqueeze(1), _NEG_INF)
+    if sb.top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # NOTE: the top token always stays (its mass_before is 0).
+        sorted_logits = sorted_logits.masked_fill(mass_before >= sb.top_p.unsqueeze(1), _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter_(-1, order, sorted_logits)
+
+
+def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) float32 logits -> (sampled ids (B,) int64, packed (B, K) for the host).
+
+    packed is the ids alone, or with logprobs [id, logprob, top ids..., top logprobs...]
+    as float32 (ids are exact in float32 below 2**24): one tensor, one host copy.
+    """
+    raw_logits = logits
+    if sb.output_counts is not None:
+        logits = _apply_penalties(logits, sb)
+    if sb.stop_token_mask is not None:
+        banned = sb.stop_token_mask & (sb.num_outputs < sb.min_tokens).unsqueeze(1)
+        logits = logits.masked_fill(banned, _NEG_INF)
+    if sb.all_greedy:
+        sampled = logits.argmax(dim=-1)
+    else:
+        greedy_ids = logits.argmax(dim=-1)
+        scaled = logits / sb.temperatures.unsqueeze(1)
+        if sb.top_k is not None or sb.top_p is not None:
+            scaled = _apply_top_k_top_p(scaled, sb)
+        probs = scaled.softmax(dim=-1)
+        if sb.min_p is not None:
+            threshold = sb.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        # exponential race: argmax(p / q), q ~ Exp(1), samples from p without a sync
+        q = torch.empty_like(probs).exponential_()
+        for row, gen in sb.seeded_rows:
+            q[row].exponential_(generator=gen)
+        sampled = (probs / q).argmax(dim=-1)
+        sampled = torch.where(sb.greedy_rows, greedy_ids, sampled)
+    if sb.output_counts is not None:
+        sb.output_counts.scatter_add_(1, sampled.unsqueeze(1),
+                                      torch.ones_like(sampled, dtype=torch.float32).unsqueeze(1))
+    if sb.num_outputs is not None:
+        sb.num_outputs += 1
+    if not sb.needs_logprobs:
+        return sampled, sampled
+    logprobs = raw_logits.log_softmax(dim=-1)
+    parts = [sampled.float().unsqueeze(1), logprobs.gather(1, sampled.unsqueeze(1))]
+    if sb.max_num_logprobs > 0:
+        top_lp, top_ids = logprobs.topk(sb.max_num_logprobs, dim=-1)
+        parts += [top_ids.float(), top_lp]
+    return sampled, torch.cat(parts, dim=1)

@@ -1,0 +1,178 @@
+"""Continuous batching, FCFS, chunked prefill, preemption by recompute.
+
+Never touches a device: it hands the runner a plain `SchedulerOutput`.
+
+A decision is either a *mixed step* (some prompt tokens to compute: chunks of
+prefills plus one token for every decoding request; one step) or a *decode
+window* (every running request decodes; `num_scheduler_steps` steps back to
+back). New prompts are admitted only at these boundaries. A window reserves the
+slots of its N-1 lookahead tokens up front, so block tables never change inside
+it, and preemption happens before a window, never inside one.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from replicas.block_manager import BlockManager
+from replicas.config import EngineConfig
+from replicas.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request: Request
+    num_computed_tokens: int  # context already in the cache (start of the query)
+    num_new_tokens: int  # query tokens this step: a prompt chunk, or 1 to decode
+    do_sample: bool  # False for a prompt chunk that does not reach the end
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    prefill_seqs: list[ScheduledSeq] = field(default_factory=list)
+    decode_seqs: list[ScheduledSeq] = field(default_factory=list)
+    num_steps: int = 1
+    preempted_requests: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill_seqs and not self.decode_seqs
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.prefill_seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 flush_outputs: Callable[[], None] = lambda: None):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: preempt from the back
+        # NOTE: called before a preemption so that every output of the victim has
+        # been processed (async output) before its state is reset.
+        self.flush_outputs = flush_outputs
+        self.num_waiting_prompt_tokens = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.num_waiting_prompt_tokens += request.num_tokens
+
+    def remove_finished(self, requests: list[Request]) -> None:
+        """Forget finished requests (their blocks are freed by the engine)."""
+        done = set(map(id, requests))
+        if self.running:
+            self.running = [r for r in self.running if id(r) not in done]
+        if any(id(r) in done for r in self.waiting):
+            kept = deque()
+            for r in self.waiting:
+                if id(r) in done:
+                    self.num_waiting_prompt_tokens -= r.num_tokens
+                else:
+                    kept.append(r)
+            self.waiting = kept
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        has_prompt_work = bool(self.waiting) or any(not r.is_decoding for r in self.running)
+        if has_prompt_work:
+            self._schedule_mixed_step(out)
+            while out.is_empty and self.running and not all(r.is_decoding for r in self.running):
+                # only half-computed prompts hold the blocks: the latest yields them
+                self._preempt(self.running[-1], out)
+                self._schedule_mixed_step(out)
+            if not out.is_empty:
+                return out
+        if self.running:
+            self._schedule_decode_window(out)
+        return out
+
+    # -- decode window -------------------------------------------------------
+    def _schedule_decode_window(self, out: SchedulerOutput) -> None:
+        num_steps = self.config.num_scheduler_steps
+        bm = self.block_manager
+        # NOTE: iterate over a copy: reserving may preempt requests from the back.
+        for req in list(self.running):
+            if req.status == RequestStatus.RUNNING:
+                # positions [num_computed, num_computed + N) get K/V in this window
+                self._reserve(req, req.num_computed_tokens + num_steps, out)
+        out.num_steps = num_steps
+        out.decode_seqs = [ScheduledSeq(r, r.num_computed_tokens, 1, True) for r in self.running]
+
+    # -- mixed step ----------------------------------------------------------
+    def _schedule_mixed_step(self, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        token_budget = self.config.max_num_batched_tokens
+        # 1. every decoding request gets its one token (slot) first
+        for req in [r for r in self.running if r.is_decoding]:
+            if req.status == RequestStatus.RUNNING:
+                self._reserve(req, req.num_computed_tokens + 1, out)
+        decoding = [r for r in self.running if r.is_decoding]
+        token_budget -= len(decoding)
+        out.decode_seqs = [ScheduledSeq(r, r.num_computed_tokens, 1, True) for r in decoding]
+        # 2. running requests mid-prefill continue with their next chunk
+        for req in list(self.running):
+            if req.is_decoding or token_budget <= 0:
+                continue
+            chunk = min(req.num_uncomputed_tokens, token_budget)
+            end = req.num_computed_tokens + chunk
+            # NOTE: no preemption here: a victim could already be in decode_seqs.
+            if req.status != RequestStatus.RUNNING or not bm.can_append(req.block_ids, end):
+                continue
+            bm.append_slots(req.block_ids, end)
+            out.prefill_seqs.append(ScheduledSeq(req, req.num_computed_tokens, chunk,
+                                                 end == req.num_tokens))
+            token_budget -= chunk
+        # 3. admit waiting requests, FCFS, while budget, sequences and blocks allow
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            chunk = min(req.num_uncomputed_tokens, token_budget)
+            end = req.num_computed_tokens + chunk
+            if not bm.can_allocate(end):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.num_waiting_prompt_tokens -= req.num_tokens
+            bm.allocate(req.block_ids, end)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.prefill_seqs.append(ScheduledSeq(req, req.num_computed_tokens, chunk,
+                                                 end == req.num_tokens))
+            token_budget -= chunk
+        out.num_steps = 1
+
+    def _reserve(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Slots for `num_tokens` in req's table, preempting from the back as needed.
+
+        Returns False when req itself had to be preempted.
+        """
+        bm = self.block_manager
+        while not bm.can_append(req.block_ids, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        bm.append_slots(req.block_ids, num_tokens)
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Free a running request's blocks; it recomputes from scratch later."""
+        self.flush_outputs()
+        self.running.remove(req)
+        if req.is_finished:
+            # finished while its outputs were in flight: the engine frees it
+            self.block_manager.free(req.block_ids)
+            req.num_computed_tokens = 0
+            return
+        self.block_manager.free(req.block_ids)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.num_waiting_prompt_tokens += req.num_tokens
+        out.preempted_requests.append(req)
