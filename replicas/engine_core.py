@@ -176,6 +176,7 @@ class EngineCore:
             "num_total_blocks": bm.num_blocks,
             "kv_cache_usage": bm.usage,
             "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
         }
 
     def shutdown(self) -> None:

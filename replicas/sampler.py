@@ -86,7 +86,7 @@ def build_sampling_batch(rows: list[Request], vocab_size: int, device: torch.dev
                 stop_mask[i, torch.tensor(sorted(r.stop_token_ids), device=device)] = True
         num_outputs = torch.tensor([len(r.output_token_ids) for r in rows], device=device)
         min_tokens = torch.tensor([p.min_tokens for p in params], device=device)
-    max_lp = max((p.logprobs if p.logprobs is not None else -1) for p in params)
+    max_lp = max((p.logprobs if p.logprobs is not None else -1 for p in params), default=-1)
     return SamplingBatch(B, all_greedy, temps, greedy, top_k, top_p, min_p, seeded, counts,
                          prompt_mask, presence, frequency, repetition, stop_mask, num_outputs,
                          min_tokens, max_lp)

@@ -55,6 +55,7 @@ class Scheduler:
         # been processed (async output) before its state is reset.
         self.flush_outputs = flush_outputs
         self.num_waiting_prompt_tokens = 0
+        self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -173,6 +174,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
         self.num_waiting_prompt_tokens += req.num_tokens
         out.preempted_requests.append(req)
