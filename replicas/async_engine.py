@@ -1,0 +1,198 @@
+"""AsyncEngine: the engine loop on its own thread, streams on the asyncio loop.
+
+    async for delta in engine.generate(request_id, prompt_token_ids, params): ...
+
+The loop thread owns the EngineCore; the asyncio side only appends commands
+(add, abort) to a queue and reads per-request collectors, which merge deltas
+while a consumer is behind. Cancelling or closing a stream turns into an
+explicit engine abort: asyncio cancellation never reaches the thread by itself.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import AsyncIterator, Callable
+
+from deltas.collector import DeltaCollector
+from deltas.types import FinishReason, OutputKind, TokenDelta
+from replicas.config import EngineConfig, SamplingParams
+from replicas.engine_core import EngineCore
+
+logger = logging.getLogger("stepstream")
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread died or stopped making progress."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, stall_timeout_s: float = 60.0):
+        self.config = config
+        self.core = EngineCore(config)
+        self.stall_timeout_s = stall_timeout_s
+        self._commands: deque[tuple[str, object]] = deque()
+        self._wakeup = threading.Event()
+        self._is_stopping = False
+        self._error: str | None = None
+        self._last_progress = time.monotonic()
+        self._active: dict[str, DeltaCollector] = {}
+        self.fault_hook: Callable[[], None] | None = None  # tests inject faults here
+        self._thread = threading.Thread(target=self._run, name="stepstream-engine", daemon=True)
+        self._thread.start()
+
+    # -- model facts ------------------------------------------------------------
+    @property
+    def model_dir(self) -> str:
+        return self.core.model_dir
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.core.eos_token_ids)
+
+    # -- streams ----------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        self._raise_if_dead()
+        if request_id in self._active:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_overload(len(prompt_token_ids) if isinstance(prompt_token_ids, list) else 0)
+        collector = DeltaCollector(request_id)
+        req = self.core.make_request(request_id, prompt_token_ids, params, collector)
+        self._active[request_id] = collector
+        self._send("add", req)
+        kind = params.output_kind
+        is_finished = False
+        all_ids: list[int] = []
+        try:
+            while True:
+                delta = await collector.get()
+                is_finished = delta.finished
+                if kind == OutputKind.DELTA:
+                    yield delta
+                elif kind == OutputKind.CUMULATIVE:
+                    all_ids.extend(delta.token_ids)
+                    delta.token_ids = list(all_ids)
+                    yield delta
+                else:  # FINAL_ONLY
+                    all_ids.extend(delta.token_ids)
+                    if is_finished:
+                        delta.token_ids = all_ids
+                        yield delta
+                if is_finished:
+                    return
+        finally:
+            self._active.pop(request_id, None)
+            if not is_finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe and idempotent; the request ends within one engine step."""
+        self._send("abort", request_id)
+
+    def _send(self, command: str, arg: object) -> None:
+        self._commands.append((command, arg))
+        self._wakeup.set()
+
+    def _check_overload(self, num_prompt_tokens: int) -> None:
+        cfg = self.config
+        sched = self.core.scheduler
+        num_waiting = len(sched.waiting) + len(self._commands)
+        if cfg.max_waiting_requests is not None and num_waiting >= cfg.max_waiting_requests:
+            raise EngineOverloaded(f"{num_waiting} requests are waiting (limit "
+                                   f"{cfg.max_waiting_requests})", self._retry_after_s())
+        if (cfg.max_waiting_prompt_tokens is not None and sched.waiting
+                and sched.num_waiting_prompt_tokens + num_prompt_tokens > cfg.max_waiting_prompt_tokens):
+            raise EngineOverloaded(f"{sched.num_waiting_prompt_tokens} prompt tokens are waiting "
+                                   f"(limit {cfg.max_waiting_prompt_tokens})", self._retry_after_s())
+
+    def _retry_after_s(self) -> float:
+        # NOTE: a rough drain time: one more admission round per waiting batch.
+        return 1.0
+
+    # -- the engine thread ------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while not self._is_stopping:
+                if not core.has_work and not self._commands:
+                    self._wakeup.wait(1.0)
+                    self._last_progress = time.monotonic()
+                self._wakeup.clear()
+                self._drain_commands()
+                if core.has_work:
+                    if self.fault_hook is not None:
+                        self.fault_hook()
+                    core.step()
+                    self._last_progress = time.monotonic()
+        except BaseException as e:  # noqa: BLE001 - every failure must end the streams
+            self._error = f"engine failed: {type(e).__name__}: {e}"
+            logger.exception("engine loop failed")
+            self._fail_everything()
+
+    def _drain_commands(self) -> None:
+        core = self.core
+        while self._commands:
+            command, arg = self._commands.popleft()
+            if command == "add":
+                core.add_request(arg)
+            else:
+                core.abort_request(arg)
+
+    def _fail_everything(self) -> None:
+        try:
+            self.core.fail_all(self._error)
+        except Exception:  # noqa: BLE001
+            logger.exception("could not fail requests cleanly")
+        for collector in list(self._active.values()):
+            collector.put_error(self._error)
+        while self._commands:
+            command, arg = self._commands.popleft()
+            if command == "add":
+                arg.sink.put_error(self._error)
+
+    # -- health and stats -------------------------------------------------------
+    def _raise_if_dead(self) -> None:
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(self._error or "the engine thread is not running")
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError if the loop died, or stalled with work queued."""
+        self._raise_if_dead()
+        stalled_s = time.monotonic() - self._last_progress
+        if (self.core.has_work or self._commands) and stalled_s > self.stall_timeout_s:
+            raise EngineDeadError(f"the engine made no progress for {stalled_s:.0f} s with work queued")
+
+    def fail_stalled(self) -> None:
+        """End every stream with an error (the loop is stuck and cannot do it)."""
+        self._error = self._error or "engine stalled"
+        for collector in list(self._active.values()):
+            collector.put_error(self._error)
+
+    def stats(self) -> dict:
+        stats = self.core.stats()
+        stats["num_active_streams"] = len(self._active)
+        return stats
+
+    def shutdown(self) -> None:
+        self._is_stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+        self.core.shutdown()
