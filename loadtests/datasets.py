@@ -1,0 +1,171 @@
+"""Benchmark prompts: a random dataset of given lengths, or a ShareGPT-format JSON file.
+
+A tokenizer is any object with `encode(text) -> list[int]` and `decode(ids) -> str`
+(`load_tokenizer` wraps a Hugging Face tokenizer.json). Without one, prompts are
+built from words and lengths are counted in words, an approximation that keeps the
+tools usable against any server.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+DEFAULT_SHAREGPT_PATH = Path(__file__).parent / "data" / "sharegpt_sample.json"
+
+# vLLM's ShareGPT filter (benchmarks/benchmark_dataset.py: is_valid_sequence).
+MIN_SEQ_LEN = 4
+MAX_PROMPT_LEN = 1024
+MAX_TOTAL_LEN = 2048
+
+_FALLBACK_WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his "
+    "from at which but have an they you were her she there been one all we their "
+    "has would when if so no will more can out up about into them some could time "
+    "only other new see over make like than then now these two may first well way "
+    "model token stream server cluster request batch step window chunk latency"
+).split()
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(slots=True, frozen=True)
+class SampleRequest:
+    prompt: str
+    prompt_len: int
+    expected_output_len: int
+
+
+class HFTokenizer:
+    """A tokenizer.json through the `tokenizers` library; never adds special tokens."""
+
+    __slots__ = ("_tok", "vocab_size", "special_ids")
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        self._tok = Tokenizer.from_file(str(file))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(self._tok.get_added_tokens_decoder())
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def load_tokenizer(path: str | Path | None) -> HFTokenizer | None:
+    return HFTokenizer(path) if path else None
+
+
+def count_tokens(text: str, tokenizer: TokenizerLike | None) -> int:
+    return len(tokenizer.encode(text)) if tokenizer is not None else len(text.split())
+
+
+# ---- random dataset -------------------------------------------------------------
+
+def _lengths(rng: np.random.RandomState, target: int, range_ratio: float, n: int) -> np.ndarray:
+    low = max(1, int(target * (1 - range_ratio)))
+    high = max(low, int(target * (1 + range_ratio)))
+    return rng.randint(low, high + 1, size=n)
+
+
+def _usable_ids(tokenizer: TokenizerLike) -> list[int]:
+    """Ids that survive decode -> encode alone: no special tokens, no partial UTF-8."""
+    vocab_size = getattr(tokenizer, "vocab_size", None) or 256
+    special = getattr(tokenizer, "special_ids", frozenset())
+    usable = [i for i in range(vocab_size)
+              if i not in special and tokenizer.encode(tokenizer.decode([i])) == [i]]
+    return usable or [i for i in range(vocab_size) if i not in special]
+
+
+def _token_prompt(tokenizer: TokenizerLike, ids: list[int], target_len: int) -> tuple[str, int]:
+    """Decode ids, re-encode and trim until the text tokenizes to ~target_len.
+
+    N ids do not always decode to a text that encodes back to N tokens (merges
+    across boundaries), so the measured length is what we report, as vLLM does.
+    """
+    text = tokenizer.decode(ids)
+    for _ in range(4):
+        re_ids = tokenizer.encode(text)
+        if len(re_ids) == target_len:
+            break
+        if len(re_ids) > target_len:
+            re_ids = re_ids[:target_len]
+        else:
+            re_ids = re_ids + ids[: target_len - len(re_ids)]
+        text = tokenizer.decode(re_ids)
+    return text, len(tokenizer.encode(text))
+
+
+def sample_random_requests(num_prompts: int, input_len: int, output_len: int,
+                           tokenizer: TokenizerLike | None = None,
+                           range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
+    """Prompts of ~input_len tokens (words without a tokenizer), fixed output_len."""
+    rng = np.random.RandomState(seed)
+    input_lens = _lengths(rng, input_len, range_ratio, num_prompts)
+    output_lens = _lengths(rng, output_len, range_ratio, num_prompts)
+    requests = []
+    if tokenizer is None:
+        words = _FALLBACK_WORDS
+        for i in range(num_prompts):
+            picks = rng.randint(0, len(words), size=int(input_lens[i]))
+            prompt = " ".join(words[j] for j in picks)
+            requests.append(SampleRequest(prompt, int(input_lens[i]), int(output_lens[i])))
+        return requests
+    usable = np.asarray(_usable_ids(tokenizer))
+    for i in range(num_prompts):
+        n = int(input_lens[i])
+        # NOTE: independent random ids per prompt: no shared prefix for a cache to hit.
+        ids = usable[rng.randint(0, len(usable), size=n)].tolist()
+        prompt, measured_len = _token_prompt(tokenizer, ids, n)
+        requests.append(SampleRequest(prompt, measured_len, int(output_lens[i])))
+    return requests
+
+
+# ---- ShareGPT ---------------------------------------------------------------------
+
+def is_valid_sequence(prompt_len: int, output_len: int, check_output_min: bool = True) -> bool:
+    output_too_short = check_output_min and output_len < MIN_SEQ_LEN
+    return not (prompt_len < MIN_SEQ_LEN or output_too_short
+                or prompt_len > MAX_PROMPT_LEN or prompt_len + output_len > MAX_TOTAL_LEN)
+
+
+def load_sharegpt_pairs(path: str | Path) -> list[tuple[str, str]]:
+    """(first human turn, first reply) of every conversation with >= 2 turns."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return [(c["conversations"][0]["value"], c["conversations"][1]["value"])
+            for c in data if len(c.get("conversations", ())) >= 2]
+
+
+def sample_sharegpt_requests(path: str | Path | None, num_prompts: int,
+                             tokenizer: TokenizerLike | None = None,
+                             fixed_output_len: int | None = None,
+                             seed: int = 0) -> list[SampleRequest]:
+    """Shuffled, filtered as vLLM filters; repeats the pool when it runs short."""
+    pairs = load_sharegpt_pairs(path or DEFAULT_SHAREGPT_PATH)
+    random.Random(seed).shuffle(pairs)
+    pool: list[SampleRequest] = []
+    for prompt, completion in pairs:
+        if len(pool) == num_prompts:
+            break
+        prompt_len = count_tokens(prompt, tokenizer)
+        output_len = fixed_output_len or count_tokens(completion, tokenizer)
+        if not is_valid_sequence(prompt_len, output_len, fixed_output_len is None):
+            continue
+        pool.append(SampleRequest(prompt, prompt_len, output_len))
+    if not pool:
+        raise ValueError(f"no usable conversation in {path}")
+    # NOTE: a small sample file may hold fewer usable prompts than asked; cycle it.
+    return [pool[i % len(pool)] for i in range(num_prompts)]

@@ -1,0 +1,120 @@
+"""Start the local app (`python -m cluster.serve_local ...`) as a subprocess and always stop it.
+
+The server runs in its own process group (its own session), so stopping it reaches
+Ray's helpers too: SIGINT first (a clean Serve shutdown), then SIGTERM, then SIGKILL.
+Every started server is also stopped at interpreter exit (atexit), whatever happens.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+_LIVE: set["LocalServer"] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _stop_all_at_exit() -> None:
+    for server in list(_LIVE):
+        server.stop()
+
+
+atexit.register(_stop_all_at_exit)
+
+
+class LocalServer:
+    """`with LocalServer(["--num-scheduler-steps", "8"], log_path=...) as srv: srv.base_url`."""
+
+    def __init__(self, server_args: list[str], *, module: str = "cluster.serve_local",
+                 model: str = "tiny", host: str = "127.0.0.1", port: int | None = None,
+                 log_path: str | Path | None = None, startup_timeout_s: float = 600.0,
+                 stop_timeout_s: float = 30.0):
+        self.host, self.port = host, port or free_port(host)
+        self.command = [sys.executable, "-m", module, "--model", model, "--host", host,
+                        "--port", str(self.port), *server_args]
+        self.log_path = Path(log_path) if log_path else None
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.process: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def start(self) -> "LocalServer":
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "wb")
+        out = self._log_file or subprocess.DEVNULL
+        self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        _LIVE.add(self)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        url = f"{self.base_url}/health"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.process.returncode} before ready "
+                                   f"({' '.join(self.command)}; log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet, or not ready (non-200 raises HTTPError)
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy after {self.startup_timeout_s:g}s: {' '.join(self.command)}")
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)  # pgid == pid: start_new_session=True
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self) -> None:
+        proc = self.process
+        if proc is not None:
+            for sig, wait_s in ((signal.SIGINT, self.stop_timeout_s), (signal.SIGTERM, 10.0),
+                                (signal.SIGKILL, 10.0)):
+                if proc.poll() is not None:
+                    break
+                self._signal_group(sig)
+                try:
+                    proc.wait(wait_s)
+                except subprocess.TimeoutExpired:
+                    continue
+            # NOTE: the leader may exit before its helpers; sweep the group once more.
+            self._signal_group(signal.SIGKILL)
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+        _LIVE.discard(self)
+
+    def __enter__(self) -> "LocalServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

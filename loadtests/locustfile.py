@@ -1,0 +1,177 @@
+"""Locust load test for any OpenAI-compatible server, streaming over SSE.
+
+    locust -f loadtests/locustfile.py --headless -u 32 -r 8 --run-time 2m \\
+        --host http://127.0.0.1:8000 --model tiny --csv results/run
+
+Each request streams a completion (or a chat completion, --chat-ratio) and records,
+besides the request itself (timed to the end of the stream, not to the headers):
+  TTFT  one per request: first content chunk - send
+  ITL   one per gap between consecutive content chunks
+  TPOT  one per request with >= 2 tokens: (latency - TTFT) / (output tokens - 1)
+as their own request types, so locust's stats and CSVs show their percentiles.
+Non-2xx answers and streams without [DONE] fail with the reason.
+
+`--shape staged` (or LOCUST_SHAPE=staged) ramps to --peak-users over --ramp-time,
+holds for --hold-time and stops by itself; -u/-r/--run-time are then ignored.
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+from locust import FastHttpUser, LoadTestShape, events, task
+
+try:
+    from loadtests import datasets
+    from loadtests.openai_stream import (CHAT_COMPLETIONS, COMPLETIONS, StreamParser,
+                                         build_payload, join_url)
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from loadtests import datasets
+    from loadtests.openai_stream import (CHAT_COMPLETIONS, COMPLETIONS, StreamParser,
+                                         build_payload, join_url)
+
+
+def _shape_requested() -> str:
+    # NOTE: locust picks shape classes at import, before it parses custom flags,
+    # so the choice is read from argv / the environment here.
+    argv = sys.argv
+    for i, arg in enumerate(argv):
+        if arg == "--shape" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--shape="):
+            return arg.split("=", 1)[1]
+    return os.environ.get("LOCUST_SHAPE", "")
+
+
+@events.init_command_line_parser.add_listener
+def _add_arguments(parser) -> None:
+    group = parser.add_argument_group("stepstream")
+    group.add_argument("--dataset-path", default="", help="ShareGPT JSON; empty: random prompts of --input-len words")
+    group.add_argument("--tokenizer", default="", help="tokenizer dir/json, for ShareGPT lengths")
+    group.add_argument("--input-len", type=int, default=128, help="words per generated prompt")
+    group.add_argument("--output-len", type=int, default=128, help="max_tokens (with a dataset: its lengths)")
+    group.add_argument("--model", default="tiny")
+    group.add_argument("--chat-ratio", type=float, default=0.0, help="share of chat completions, 0..1")
+    group.add_argument("--api-key", default="", help="sent as a Bearer token")
+    group.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens")
+    group.add_argument("--shape", default="", choices=["", "staged"], help="staged: ramp, hold, stop")
+    group.add_argument("--peak-users", type=int, default=32)
+    group.add_argument("--ramp-time", type=float, default=30.0, help="seconds to reach --peak-users")
+    group.add_argument("--hold-time", type=float, default=60.0, help="seconds at --peak-users")
+
+
+_PROMPTS: list[datasets.SampleRequest] = []
+
+
+@events.test_start.add_listener
+def _load_prompts(environment, **_kwargs) -> None:
+    opts = environment.parsed_options
+    if opts is None:
+        return
+    if opts.dataset_path:
+        tokenizer = datasets.load_tokenizer(opts.tokenizer or None)
+        _PROMPTS[:] = datasets.sample_sharegpt_requests(opts.dataset_path, 1000, tokenizer)
+    else:
+        _PROMPTS[:] = datasets.sample_random_requests(256, opts.input_len, opts.output_len)
+
+
+def _fire(environment, request_type: str, name: str, ms: float, length: int = 0) -> None:
+    environment.events.request.fire(request_type=request_type, name=name, response_time=ms,
+                                    response_length=length, exception=None, context={})
+
+
+class OpenAIStreamUser(FastHttpUser):
+    """Streams one request at a time, back to back."""
+
+    network_timeout = 600.0  # between two reads; long prompts may take a while
+    connection_timeout = 30.0
+
+    @task
+    def stream_one(self) -> None:
+        opts = self.environment.parsed_options
+        sample = random.choice(_PROMPTS) if _PROMPTS else datasets.SampleRequest("Hello", 1, opts.output_len)
+        endpoint = CHAT_COMPLETIONS if random.random() < opts.chat_ratio else COMPLETIONS
+        max_tokens = sample.expected_output_len if opts.dataset_path else opts.output_len
+        payload = build_payload(endpoint, opts.model, sample.prompt, max_tokens, ignore_eos=opts.ignore_eos)
+        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+        if opts.api_key:
+            headers["Authorization"] = f"Bearer {opts.api_key}"
+        url = join_url(self.host or "", endpoint)
+        self._stream(url, endpoint, payload, headers)
+
+    def _stream(self, url: str, name: str, payload: dict, headers: dict) -> None:
+        parser = StreamParser()
+        num_bytes = 0
+        send = time.perf_counter()
+        with self.client.post(url, name=name, json=payload, headers=headers,
+                              stream=True, catch_response=True) as resp:
+            reason = ""
+            if resp.status_code and 200 <= resp.status_code < 300:
+                try:
+                    num_bytes = self._read_lines(resp, parser)
+                    reason = parser.failure_reason(resp.status_code)
+                except Exception as exc:  # socket errors, timeouts mid-stream
+                    reason = f"{type(exc).__name__}: {exc}"
+            else:
+                reason = self._http_failure(resp)
+            end = time.perf_counter()
+            # NOTE: locust timed only up to the headers; the request's time is the whole stream.
+            resp.request_meta["response_time"] = (end - send) * 1000.0
+            resp.request_meta["response_length"] = num_bytes
+            if reason:
+                resp.failure(reason)
+            else:
+                resp.success()
+        if not reason:
+            self._report_stream(name, send, parser)
+
+    @staticmethod
+    def _read_lines(resp, parser: StreamParser) -> int:
+        # NOTE: read line by line from the raw geventhttpclient response: locust's
+        # iter_content waits for 1 KiB blocks, which would delay chunk times.
+        raw = resp._response
+        num_bytes = 0
+        while True:
+            line = raw.readline(b"\n")
+            if not line:
+                return num_bytes
+            num_bytes += len(line)
+            parser.feed(line, time.perf_counter())
+
+    @staticmethod
+    def _http_failure(resp) -> str:
+        if not resp.status_code:
+            return f"connection error: {getattr(resp, 'error', '')!r}"
+        try:
+            body = (resp.text or "")[:200]
+        except Exception:  # body unreadable: the status is reason enough
+            body = ""
+        return f"HTTP {resp.status_code}: {body}"
+
+    def _report_stream(self, name: str, send: float, parser: StreamParser) -> None:
+        env, times = self.environment, parser.chunk_times
+        num_tokens = parser.completion_tokens or len(times)
+        _fire(env, "TTFT", name, (times[0] - send) * 1000.0, num_tokens)
+        for a, b in zip(times, times[1:]):
+            _fire(env, "ITL", name, (b - a) * 1000.0)
+        if num_tokens >= 2:
+            tpot_ms = (times[-1] - times[0]) * 1000.0 / (num_tokens - 1)
+            _fire(env, "TPOT", name, tpot_ms, num_tokens)
+
+
+class StagedShape(LoadTestShape):
+    """Ramp to --peak-users over --ramp-time, hold --hold-time, then stop."""
+
+    abstract = _shape_requested() != "staged"
+
+    def tick(self):
+        opts = self.runner.environment.parsed_options
+        run_time = self.get_run_time()
+        if run_time >= opts.ramp_time + opts.hold_time:
+            return None
+        spawn_rate = opts.peak_users / opts.ramp_time if opts.ramp_time > 0 else opts.peak_users
+        return opts.peak_users, max(spawn_rate, 0.1)

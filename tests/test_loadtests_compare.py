@@ -1,0 +1,96 @@
+"""compare.py end to end with the fake server as launcher, and the server launcher's cleanup."""
+import json
+import os
+import textwrap
+
+import pytest
+
+from loadtests import compare
+from loadtests.local_server import LocalServer, _LIVE
+
+
+def test_compare_runs_each_config_and_prints_one_table(tmp_path, capsys):
+    out = compare.main(["--launcher", "loadtests.fake_server", "--model", "fake",
+                        "--configs", "N1,N8-window,non-stream", "--baseline", "N8-window",
+                        "--num-prompts", "8", "--input-len", "10", "--output-len", "16",
+                        "--max-concurrency", "4", "--result-dir", str(tmp_path),
+                        "--startup-timeout", "60", "--disable-tqdm"])
+    printed = capsys.readouterr().out
+    table = out["table"].splitlines()
+    assert table[0].startswith("| config") and "TPOT x vs N8-window" in table[0]
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["N1", "N8-window", "non-stream"]
+    assert out["table"] in printed
+    rows = out["rows"]
+    assert all(r["summary"]["completed"] == 8 and r["summary"]["failed"] == 0 for r in rows.values())
+    # the fake server's chunking follows the flags each row passed to it
+    assert rows["N1"]["summary"]["mean_tokens_per_chunk"] == pytest.approx(1.0)
+    assert rows["N8-window"]["summary"]["mean_tokens_per_chunk"] == pytest.approx(8.0)
+    assert rows["non-stream"]["summary"]["mean_tokens_per_chunk"] == pytest.approx(16.0)
+    assert rows["non-stream"]["stream"] is False
+    assert all(v == pytest.approx(1.0) for v in rows["N8-window"]["ratios"].values())
+    n1 = rows["N1"]
+    assert n1["ratios"]["median_itl_ms"] == pytest.approx(
+        n1["summary"]["median_itl_ms"] / rows["N8-window"]["summary"]["median_itl_ms"])
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert saved["baseline"] == "N8-window" and set(saved["rows"]) == {"N1", "N8-window", "non-stream"}
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(json.loads((tmp_path / "bench-N1.json").read_text())["requests"]) == 8
+    assert "Serving at http://127.0.0.1:" in (tmp_path / "server-N1.log").read_text()
+    assert not _LIVE  # every server was stopped
+
+
+def test_format_table_marks_failed_rows_and_streamless_metrics():
+    rows = {
+        "base": {"stream": True, "summary": {"completed": 2, "failed": 0, "output_throughput": 10.0,
+                                             "median_tpot_ms": 2.0, "median_itl_ms": 4.0}},
+        "ns": {"stream": False, "summary": {"completed": 2, "failed": 0, "output_throughput": 5.0,
+                                            "median_tpot_ms": 0.0, "median_itl_ms": 0.0}},
+        "broken": {"error": "server exited", "summary": {}, "ratios": {}},
+    }
+    for row in rows.values():
+        row.setdefault("ratios", compare.ratios_against(row["summary"], rows["base"]["summary"]))
+    lines = compare.format_table(rows, "base").splitlines()
+    cells = lambda line: [c.strip() for c in line.strip("|").split("|")]  # noqa: E731
+    header, ns, broken = cells(lines[0]), cells(lines[3]), cells(lines[4])
+    assert ns[header.index("tok/s x vs base")] == "0.500"
+    assert ns[header.index("ITL med ms")] == "-" and ns[header.index("TPOT x vs base")] == "-"
+    assert broken[1] == "failed"
+
+
+def _write_module(path, name, body):
+    (path / f"{name}.py").write_text(textwrap.dedent(body))
+
+
+def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path, monkeypatch):
+    _write_module(tmp_path, "never_ready", """
+        import signal, time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a stubborn server: needs SIGTERM or worse
+        time.sleep(120)
+    """)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    server = LocalServer([], module="never_ready", startup_timeout_s=1.5, stop_timeout_s=1.0)
+    with pytest.raises(TimeoutError):
+        server.start()
+    assert server.process.returncode is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.process.pid, 0)  # the whole group is gone
+    assert server not in _LIVE
+
+
+def test_server_that_exits_early_is_reported(tmp_path, monkeypatch):
+    _write_module(tmp_path, "exits_at_once", "raise SystemExit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        LocalServer([], module="exits_at_once", startup_timeout_s=20).start()
+
+
+def test_local_server_stops_its_process_group(tmp_path):
+    server = LocalServer(["--step-ms", "1"], module="loadtests.fake_server", model="fake",
+                         log_path=tmp_path / "s.log", startup_timeout_s=30)
+    with server:
+        assert server in _LIVE
+        pid = server.process.pid
+        assert os.getpgid(pid) == pid  # its own group, so Ray's helpers go with it
+    assert server.process.returncode is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
