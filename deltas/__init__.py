@@ -1,7 +1,15 @@
 """Incremental outputs: token and text deltas, their merge, detokenizing, stop strings.
 
-Imports neither `replicas` nor `cluster`.
+Imports neither `replicas` nor `cluster`, nor torch: the Ray ingress loads it.
 """
+from deltas.collector import DeltaCollector, DeltaSink, ListSink
+from deltas.detokenizer import IncrementalDetokenizer
+from deltas.stop_strings import StopStringMatcher
+from deltas.text_stream import TextStream
+from deltas.tokenizer import Tokenizer
 from deltas.types import FinishReason, OutputKind, TextDelta, TokenDelta
 
-__all__ = ["FinishReason", "OutputKind", "TextDelta", "TokenDelta"]
+__all__ = [
+    "DeltaCollector", "DeltaSink", "FinishReason", "IncrementalDetokenizer", "ListSink", "OutputKind",
+    "StopStringMatcher", "TextDelta", "TextStream", "TokenDelta", "Tokenizer",
+]

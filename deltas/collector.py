@@ -1,0 +1,141 @@
+"""Per-request mailboxes between the engine thread and a consumer.
+
+The engine (producer) puts one TokenDelta per step; a consumer takes everything
+pending at once. While the consumer is behind, deltas MERGE (never dropped, never
+reordered), so a slow stream gets fewer, larger chunks instead of a backlog.
+
+NOTE: `put` takes ownership of the delta: the collector may merge later deltas
+into it. The engine must not touch a delta after putting it.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Protocol
+
+from deltas.types import FinishReason, TokenDelta
+
+
+class DeltaSink(Protocol):
+    """What the engine writes to: an asyncio DeltaCollector or an offline ListSink."""
+
+    def put(self, delta: TokenDelta, notify: bool = True) -> None: ...
+    def notify(self) -> None: ...
+    def put_error(self, message: str) -> None: ...
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():  # the consumer may have been cancelled meanwhile
+        waiter.set_result(None)
+
+
+class DeltaCollector:
+    """Created in the asyncio thread; `put`/`notify` may be called from any thread.
+
+    The cross-thread wake (`loop.call_soon_threadsafe`, a syscall) happens only
+    when the consumer is actually waiting, once per wait, not once per put.
+    """
+
+    __slots__ = ("request_id", "_loop", "_loop_thread_id", "_lock", "_pending", "_waiter",
+                 "_is_closed", "_is_done", "_num_output_tokens")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread_id = threading.get_ident()
+        self._lock = threading.Lock()
+        self._pending: TokenDelta | None = None
+        self._waiter: asyncio.Future | None = None
+        self._is_closed = False  # a finished delta was put: later puts are dropped
+        self._is_done = False  # the consumer took the finished delta
+        self._num_output_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self._is_done
+
+    def put(self, delta: TokenDelta, notify: bool = True) -> None:
+        with self._lock:
+            if self._is_closed:
+                return
+            self._is_closed = delta.finish_reason is not None
+            self._num_output_tokens = delta.num_output_tokens
+            if self._pending is None:
+                self._pending = delta
+            else:
+                self._pending.merge(delta)
+            waiter = self._take_waiter_locked() if notify else None
+        if waiter is not None:
+            self._wake(waiter)
+
+    def notify(self) -> None:
+        """Wake the consumer for deltas put with notify=False (end of a release window)."""
+        with self._lock:
+            waiter = self._take_waiter_locked() if self._pending is not None else None
+        if waiter is not None:
+            self._wake(waiter)
+
+    def put_error(self, message: str) -> None:
+        self.put(TokenDelta(self.request_id, [], finish_reason=FinishReason.ERROR, error=message,
+                            num_output_tokens=self._num_output_tokens))
+
+    async def get(self) -> TokenDelta:
+        """Wait until something is pending, then take all of it as one delta."""
+        while True:
+            with self._lock:
+                if self._pending is not None:
+                    delta, self._pending = self._pending, None
+                    self._is_done = delta.finish_reason is not None
+                    return delta
+                if self._is_done:
+                    raise RuntimeError(f"request {self.request_id}: the stream already finished")
+                waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                with self._lock:
+                    if self._waiter is waiter:
+                        self._waiter = None
+
+    def __aiter__(self) -> "DeltaCollector":
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self._is_done:
+            raise StopAsyncIteration
+        return await self.get()
+
+    def _take_waiter_locked(self) -> asyncio.Future | None:
+        waiter, self._waiter = self._waiter, None
+        return waiter
+
+    def _wake(self, waiter: asyncio.Future) -> None:
+        if threading.get_ident() == self._loop_thread_id:
+            _wake(waiter)
+        else:
+            self._loop.call_soon_threadsafe(_wake, waiter)
+
+
+class ListSink:
+    """The offline engine's sink: no event loop, everything merged into one delta."""
+
+    __slots__ = ("request_id", "delta")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.delta = TokenDelta(request_id, [])
+
+    @property
+    def finished(self) -> bool:
+        return self.delta.finish_reason is not None
+
+    def put(self, delta: TokenDelta, notify: bool = True) -> None:
+        if not self.finished:
+            self.delta.merge(delta)
+
+    def notify(self) -> None:
+        pass
+
+    def put_error(self, message: str) -> None:
+        self.put(TokenDelta(self.request_id, [], finish_reason=FinishReason.ERROR, error=message,
+                            num_output_tokens=self.delta.num_output_tokens))

@@ -1,0 +1,180 @@
+"""A light tokenizer over the `tokenizers` library, loaded from an HF directory.
+
+No transformers import: the Ray ingress loads this, and must stay light.
+Reads tokenizer.json, tokenizer_config.json (chat template, bos/eos tokens,
+add_bos_token), chat_template.jinja if present, and generation_config.json
+(eos_token_id, int or list) if present.
+
+NOTE: a rendered chat already holds its special tokens: encode it with
+`add_special_tokens=False` (as transformers' apply_chat_template does).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+
+from deltas.chat_template import render_chat_template
+from deltas.token_bytes import TokenByteTable
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _read_chat_templates(directory: Path, config: dict[str, Any]) -> dict[str, str]:
+    """Named templates; the unnamed one is "default". The .jinja file wins, as in transformers."""
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return {"default": jinja_file.read_text(encoding="utf-8")}
+    template = _read_json(directory / "chat_template.json").get("chat_template")
+    if template is None:
+        template = config.get("chat_template")
+    if template is None:
+        return {}
+    if isinstance(template, str):
+        return {"default": template}
+    return {entry["name"]: entry["template"] for entry in template}
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        chat_templates: dict[str, str] | None = None,
+        special_tokens: dict[str, str | None] | None = None,
+        add_bos_token: bool | None = None,
+        generation_eos_token_ids: list[int] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.chat_templates = dict(chat_templates or {})
+        self.special_tokens = {key: None for key in _SPECIAL_TOKEN_KEYS} | dict(special_tokens or {})
+        self.bos_token_id = self._id_or_none(self.special_tokens["bos_token"])
+        self.eos_token_ids = self._collect_eos_ids(generation_eos_token_ids or [])
+        added = backend.get_added_tokens_decoder()
+        # NOTE: added tokens may sit past a gap in the ids; the model's ids are dense.
+        self.vocab_size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
+        self.all_special_ids = {i for i, token in added.items() if token.special}
+        self.all_special_ids.update(i for i in [self.bos_token_id, *self.eos_token_ids] if i is not None)
+        self._prepend_bos, self._strip_bos = self._bos_policy(add_bos_token)
+        self._byte_table: TokenByteTable | None = None
+        self._has_byte_table = True  # until built and found unsupported
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        directory = Path(path)
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {directory}")
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        config = _read_json(directory / "tokenizer_config.json")
+        eos_ids = _read_json(directory / "generation_config.json").get("eos_token_id")
+        if isinstance(eos_ids, int):
+            eos_ids = [eos_ids]
+        return cls(
+            backend,
+            chat_templates=_read_chat_templates(directory, config),
+            special_tokens={key: _token_content(config.get(key)) for key in _SPECIAL_TOKEN_KEYS},
+            add_bos_token=config.get("add_bos_token"),
+            generation_eos_token_ids=list(eos_ids or []),
+        )
+
+    # -- encode / decode -------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens:
+            if self._prepend_bos and ids[:1] != [self.bos_token_id]:
+                ids.insert(0, self.bos_token_id)
+            elif self._strip_bos and ids[:1] == [self.bos_token_id]:
+                del ids[0]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        template_name: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` to a prompt string (not tokenized).
+
+        Raises ValueError when there is no template or the template rejects the chat.
+        """
+        if not self.chat_templates:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no chat_template)")
+        name = template_name or "default"
+        if name not in self.chat_templates:
+            raise ValueError(f"no chat template named {name!r}; have {sorted(self.chat_templates)}")
+        try:
+            return render_chat_template(
+                self.chat_templates[name], messages, add_generation_prompt=add_generation_prompt,
+                special_tokens=self.special_tokens, tools=tools, **template_kwargs,
+            )
+        except jinja2.TemplateError as error:  # raise_exception(...) in the template, or a broken one
+            raise ValueError(f"chat template: {error}") from error
+
+    # -- incremental detokenizing support ----------------------------------
+
+    @property
+    def byte_table(self) -> TokenByteTable | None:
+        """Per-token bytes, built on first use; None when the decoder is not mappable."""
+        if self._byte_table is None and self._has_byte_table:
+            self._byte_table = TokenByteTable.from_backend(self.backend, self.vocab_size)
+            self._has_byte_table = self._byte_table is not None
+        return self._byte_table
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes `token_id` adds to a decode (special tokens as their content).
+
+        None when the decoder cannot be mapped to bytes or the id has no token.
+        NOTE: at the very start of an output, SentencePiece decoders may drop a
+        leading space; the detokenizer handles that, this lookup does not.
+        """
+        table = self.byte_table
+        if table is None or table.is_skipped(token_id, skip_special_tokens=False):
+            return None
+        return table.piece_bytes[token_id]
+
+    # -- helpers -----------------------------------------------------------
+
+    def _id_or_none(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def _collect_eos_ids(self, generation_eos_ids: list[int]) -> list[int]:
+        eos_ids: list[int] = []
+        config_eos_id = self._id_or_none(self.special_tokens["eos_token"])
+        for token_id in [config_eos_id, *generation_eos_ids]:
+            if token_id is not None and token_id not in eos_ids:
+                eos_ids.append(token_id)
+        return eos_ids
+
+    def _bos_policy(self, add_bos_token: bool | None) -> tuple[bool, bool]:
+        """(prepend, strip): make BOS follow add_bos_token whatever the post-processor does."""
+        if add_bos_token is None or self.bos_token_id is None:
+            return False, False
+        post_processor_adds_bos = self.backend.encode("a", add_special_tokens=True).ids[:1] == [self.bos_token_id]
+        return add_bos_token and not post_processor_adds_bos, not add_bos_token and post_processor_adds_bos
