@@ -1,0 +1,136 @@
+"""The application builder configs name as `import_path: cluster.app:build_app`.
+
+`args` (the `args:` of a Serve config, or a dict from `serve_local`) are validated
+by `AppArgs` (unknown keys are errors, so a typo in a config fails at deploy
+time), mapped onto `replicas.config.EngineConfig` (which checks its own ranges)
+and onto the deployment options of the two deployments. Torch-free.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ray.serve import Application
+
+from cluster.ingress import DEFAULT_MAX_BODY_BYTES, Ingress
+from cluster.replica import EngineReplica
+
+# Unary calls (abort, stats, model_info) count against a replica's
+# max_ongoing_requests too; this headroom keeps them from queueing behind streams.
+_UNARY_HEADROOM = 16
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Model and engine (-> EngineConfig).
+    model: str = "tiny"
+    served_model_name: str | None = None  # default: `model`
+    dtype: str = "float32"
+    device: str | None = None  # default: "cuda" when engine_num_gpus > 0, else "cpu"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    num_scheduler_steps: int = 8
+    async_output: bool = True
+    release_per_step: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+    max_waiting_requests: int | None = None
+    max_waiting_prompt_tokens: int | None = None
+    # Streaming between replica and ingress.
+    stream_merge: bool = True
+    min_chunk_interval_ms: float = Field(0.0, ge=0.0, le=10_000.0)
+    # Deployments.
+    num_engine_replicas: int = Field(1, ge=1)
+    engine_num_cpus: float = Field(1.0, ge=0.0)
+    engine_num_gpus: float = Field(0.0, ge=0.0)
+    autoscaling: dict[str, Any] | None = None  # Serve autoscaling_config of the engine
+    num_ingress_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0.5, ge=0.0)
+    ingress_max_ongoing_requests: int = Field(1000, ge=1)
+    engine_max_ongoing_requests: int | None = Field(None, ge=1)
+    health_check_period_s: float = Field(10.0, gt=0.0)
+    health_check_timeout_s: float = Field(30.0, gt=0.0)
+    # Streams are long: replicas being replaced drain this long before being killed.
+    graceful_shutdown_timeout_s: float = Field(600.0, ge=0.0)
+    # HTTP.
+    api_key: str | None = None  # also env STEPSTREAM_API_KEY
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppArgs":
+        self.engine_config()  # raises ValueError naming the bad field
+        if self.autoscaling is not None and self.num_engine_replicas != 1:
+            raise ValueError("set either autoscaling or num_engine_replicas, not both")
+        return self
+
+    @property
+    def name_served(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config_dict(self) -> dict:
+        device = self.device or ("cuda" if self.engine_num_gpus > 0 else "cpu")
+        return {
+            "model": self.model, "dtype": self.dtype, "device": device,
+            "max_model_len": self.max_model_len, "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks, "kv_cache_gib": self.kv_cache_gib,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "num_scheduler_steps": self.num_scheduler_steps,
+            "async_output": self.async_output, "release_per_step": self.release_per_step,
+            "attention_backend": self.attention_backend, "seed": self.seed,
+            "max_waiting_requests": self.max_waiting_requests,
+            "max_waiting_prompt_tokens": self.max_waiting_prompt_tokens,
+            "num_threads": self.num_threads,
+        }
+
+    def engine_config(self):
+        from replicas.config import EngineConfig
+
+        return EngineConfig(**self.engine_config_dict())
+
+    def engine_options(self) -> dict:
+        # The engine queues what it cannot run yet (and refuses past its bounds with
+        # 429), so Serve must let that many requests through to the replica.
+        max_ongoing = self.engine_max_ongoing_requests or (
+            self.max_num_seqs + (self.max_waiting_requests or self.max_num_seqs)
+            + _UNARY_HEADROOM)
+        actor = {"num_cpus": self.engine_num_cpus}
+        if self.engine_num_gpus:
+            actor["num_gpus"] = self.engine_num_gpus
+        options = {"ray_actor_options": actor, "max_ongoing_requests": max_ongoing,
+                   "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+                   "health_check_period_s": self.health_check_period_s,
+                   "health_check_timeout_s": self.health_check_timeout_s}
+        if self.autoscaling is not None:
+            options["autoscaling_config"] = self.autoscaling
+        else:
+            options["num_replicas"] = self.num_engine_replicas
+        return options
+
+    def ingress_options(self) -> dict:
+        return {"num_replicas": self.num_ingress_replicas,
+                "ray_actor_options": {"num_cpus": self.ingress_num_cpus},
+                "max_ongoing_requests": self.ingress_max_ongoing_requests,
+                "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
+
+
+def build_app(args: dict | None = None) -> Application:
+    """The Serve builder: `serve run cluster.app:build_app model=tiny` or a config's
+    `import_path`."""
+    return make_app(AppArgs.model_validate(args or {}))
+
+
+def make_app(args: AppArgs, engine_factory: Callable | None = None) -> Application:
+    """The app for validated args; `engine_factory` swaps the engine (tests)."""
+    engine = EngineReplica.options(**args.engine_options()).bind(
+        args.engine_config_dict(), stream_merge=args.stream_merge,
+        min_chunk_interval_ms=args.min_chunk_interval_ms, engine_factory=engine_factory)
+    return Ingress.options(**args.ingress_options()).bind(
+        engine, served_model_name=args.name_served, model=args.model,
+        api_key=args.api_key, max_body_bytes=args.max_body_bytes)

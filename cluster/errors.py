@@ -1,0 +1,94 @@
+"""Errors in the OpenAI shape, and the exceptions that carry them across Ray.
+
+Every error a client sees is `{"error": {"message", "type", "param", "code"}}` with
+a 4xx/5xx status, never a traceback. `ApiError` is raised anywhere in the ingress
+and rendered once by the exception handlers in `cluster/ingress.py`.
+
+The replica raises `ReplicaOverloaded` / `ReplicaRejected` instead of the engine's
+own exception classes, so the ingress can recognise them without importing the
+engine (and torch). Both pickle with plain arguments because Ray ships them back
+wrapped in a `RayTaskError`.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from starlette.responses import JSONResponse
+
+# (status, OpenAI error type) for the errors we emit.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class ApiError(Exception):
+    """An error the client is told about, in the OpenAI shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, retry_after_s: float | None = None,
+                 error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+        self.error_type = error_type or _TYPES.get(status, "server_error" if status >= 500
+                                                   else "invalid_request_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+    def headers(self) -> dict[str, str] | None:
+        if self.retry_after_s is None:
+            return None
+        # NOTE: Retry-After takes whole seconds; never 0, so clients do back off.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+
+def error_body(message: str, error_type: str = "invalid_request_error",
+               param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def sse_error_event(error: ApiError) -> bytes:
+    """The last event of a stream that failed after its headers went out."""
+    return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+class ReplicaOverloaded(Exception):
+    """The replica's engine queue is full; the ingress answers 429 + Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class ReplicaRejected(Exception):
+    """The engine refused the request's input (a ValueError); the ingress answers 400."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def replica_cause(exc: BaseException) -> BaseException:
+    """The exception the replica raised, unwrapped from Ray's RayTaskError."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc

@@ -1,0 +1,311 @@
+"""Ingress: the OpenAI-compatible HTTP API, a Ray Serve deployment over FastAPI.
+
+Per request: auth -> read the body (size-bounded) -> validate (pydantic, then
+SamplingParams) -> chat template -> tokenize -> check the context length -> send
+token ids to an EngineReplica through a Serve handle -> text deltas (cluster/relay)
+-> SSE events or one JSON body. All checks happen BEFORE the replica is called;
+errors are OpenAI-shaped 4xx (cluster/errors), never a traceback.
+"""
+# NOTE: no `from __future__ import annotations` here: FastAPI must see `Request`
+# as a class, not a string, through Serve's class-based views.
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, StreamingResponse
+
+from cluster.errors import ApiError, bad_request
+from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                     validation_error_message)
+from cluster.relay import Relay, aclosing, open_replica_stream, replica_error
+from cluster.sse import SSE_HEADERS, ChatFormatter, CompletionFormatter
+from cluster.streaming import json_body, sse_events
+
+logger = logging.getLogger("ray.serve")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+app = FastAPI(title="stepstream", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = (exc.errors() or [{}])[0]
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return bad_request(f"Invalid request: {first.get('msg', 'invalid value')}", param).response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    state = request.app.state
+    # NOTE: deny by default: with an API key set, unknown routes answer 401, not 404.
+    if getattr(state, "api_key_digest", None) and not _is_authorized(request):
+        return _unauthorized().response()
+    message = exc.detail if isinstance(exc.detail, str) else "Request failed"
+    if exc.status_code == 404:
+        message = f"Not found: {request.method} {request.url.path}"
+    return ApiError(exc.status_code, message).response()
+
+
+@app.exception_handler(Exception)
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error in %s %s", request.method, request.url.path)
+    return ApiError(500, "Internal server error", code="internal_error").response()
+
+
+def _unauthorized() -> ApiError:
+    return ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key")
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def _is_authorized(request: Request) -> bool:
+    expected = getattr(request.app.state, "api_key_digest", None)
+    if not expected:
+        return True
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # Digests of equal length compared in constant time: neither the key nor its
+    # length leaks through timing.
+    return hmac.compare_digest(_digest(token.strip()), expected)
+
+
+async def _await(response) -> object:
+    return await response
+
+
+async def _await_quietly(response) -> None:
+    try:
+        await response
+    except Exception:  # an abort that reaches a finished or dead replica is no news
+        pass
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is larger than {limit} bytes",
+                    code="request_too_large")
+
+
+def _parse(model_cls, body: bytes):
+    if not body:
+        raise bad_request("The request body is empty; send a JSON object")
+    try:
+        return model_cls.model_validate_json(body)
+    except ValidationError as e:
+        message, param = validation_error_message(e)
+        raise bad_request(message, param) from None
+
+
+def _check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The max_tokens to send: the request's, or what the context leaves. 400 if
+    the prompt plus the completion do not fit, saying the limits."""
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt "
+            f"has {num_prompt_tokens} tokens, which leaves no room for a completion. "
+            "Please shorten the prompt.", "prompt", "context_length_exceeded")
+    if max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    if isinstance(max_tokens, int) and max_tokens >= 1 and \
+            num_prompt_tokens + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} for the completion). Please reduce the prompt or "
+            "max_tokens.", "max_tokens", "context_length_exceeded")
+    return max_tokens
+
+
+def _sampling_params(fields: dict, vocab_size: int) -> dict:
+    """Validate with the engine's own SamplingParams (it names the field)."""
+    from replicas.config import SamplingParams
+
+    try:
+        SamplingParams(**fields)
+    except ValueError as e:
+        message = str(e)
+        param = message.split(" ", 1)[0]
+        raise bad_request(f"Invalid value for '{param}': {message}", param) from None
+    if any(t >= vocab_size for t in fields["stop_token_ids"]):
+        raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    return fields
+
+
+# NOTE: the class comes last: serve.ingress copies the route methods with a snapshot
+# of the module globals taken here, so every helper they use must be defined above.
+@serve.deployment(name="Ingress", max_ongoing_requests=1000)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, engine, served_model_name: str, model: str,
+                 api_key: str | None = None, min_chunk_interval_ms: float | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        from deltas.tokenizer import Tokenizer
+        from replicas.presets import resolve_tokenizer_dir
+
+        self._engine = engine
+        self._engine_stream = engine.options(stream=True)
+        self._served_model_name = served_model_name
+        self._model = model
+        self._tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(model))
+        self._min_chunk_interval_ms = min_chunk_interval_ms
+        self._max_body_bytes = max_body_bytes
+        self._model_info: dict | None = None
+        self._created = int(time.time())
+        self._background: set[asyncio.Task] = set()
+        api_key = api_key or os.environ.get("STEPSTREAM_API_KEY") or None
+        app.state.api_key_digest = _digest(api_key) if api_key else None
+        self._metrics = None
+        try:
+            from cluster.metrics import IngressMetrics
+            self._metrics = IngressMetrics(served_model_name)
+        except Exception:
+            logger.warning("ingress metrics disabled", exc_info=True)
+
+    # ---- routes -----------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        try:
+            await asyncio.wait_for(_await(self._engine.health.remote()), timeout=10.0)
+        except Exception as e:
+            logger.warning("health check failed: %r", e)
+            return ApiError(503, f"engine unhealthy: {type(e).__name__}",
+                            code="engine_unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        card = {"id": self._served_model_name, "object": "model", "created": self._created,
+                "owned_by": "stepstream", "root": self._model}
+        if self._model_info is not None:
+            card["max_model_len"] = self._model_info["max_model_len"]
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._handle(request, chat=True)
+
+    # ---- request path -----------------------------------------------------------
+
+    async def _handle(self, request: Request, chat: bool):
+        route = "chat" if chat else "completions"
+        try:
+            response = await self._generate(request, chat)
+        except ApiError as e:
+            self._count(route, e.status)
+            raise
+        self._count(route, response.status_code)
+        return response
+
+    async def _generate(self, request: Request, chat: bool):
+        self._authorize(request)
+        body = await self._read_body(request)
+        req = _parse(ChatCompletionRequest if chat else CompletionRequest, body)
+        if req.model != self._served_model_name:
+            raise ApiError(404, f"The model '{req.model}' does not exist; this server "
+                           f"serves '{self._served_model_name}'", param="model",
+                           code="model_not_found")
+        info = await self._info()
+        prompt_ids = self._prompt_ids(req, chat, info["vocab_size"])
+        max_tokens = req.requested_max_tokens if chat else req.max_tokens
+        logprobs = req.num_logprobs if chat else req.logprobs
+        max_tokens = _check_context(len(prompt_ids), max_tokens, info["max_model_len"])
+        sampling = _sampling_params(req.sampling_dict(max_tokens, logprobs), info["vocab_size"])
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        started_at = time.monotonic()
+        replica_request = {"request_id": request_id, "prompt_token_ids": prompt_ids,
+                           "sampling_params": sampling}
+        if self._min_chunk_interval_ms is not None:
+            replica_request["min_chunk_interval_ms"] = self._min_chunk_interval_ms
+        gen, first = await open_replica_stream(self._engine_stream, replica_request)
+        from deltas.text_stream import TextStream
+        text_stream = TextStream(self._tokenizer, stop=req.stop_strings,
+                                 include_stop_str_in_output=req.include_stop_str_in_output,
+                                 skip_special_tokens=req.skip_special_tokens)
+        relay = Relay(request_id, gen, first, text_stream, self._abort_on_replica)
+        formatter_cls = ChatFormatter if chat else CompletionFormatter
+        formatter = formatter_cls(request_id, self._served_model_name, int(time.time()),
+                                  include_usage=req.include_usage)
+        token_text = self._token_text if logprobs is not None else None
+        if req.stream:
+            events = sse_events(relay, formatter, chat, token_text, self._metrics, started_at,
+                                len(prompt_ids))
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        return JSONResponse(await json_body(relay, formatter, chat, token_text,
+                                            len(prompt_ids)))
+
+    def _prompt_ids(self, req, chat: bool, vocab_size: int) -> list[int]:
+        if chat:
+            try:
+                text = self._tokenizer.apply_chat_template(req.template_messages(),
+                                                           add_generation_prompt=req.add_generation_prompt)
+            except Exception as e:
+                raise bad_request(f"Could not apply the chat template: {e}", "messages") from None
+            return self._tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(req.prompt, str):
+            return self._tokenizer.encode(req.prompt, add_special_tokens=True)
+        ids = list(req.prompt)
+        if any(t < 0 or t >= vocab_size for t in ids):
+            raise bad_request(f"Prompt token ids must be in [0, {vocab_size})", "prompt")
+        return ids
+
+    async def _info(self) -> dict:
+        if self._model_info is None:
+            try:
+                self._model_info = await self._engine.model_info.remote()
+            except Exception as e:
+                raise replica_error(e) from None
+        return self._model_info
+
+    def _token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
+            raise _too_large(self._max_body_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self._max_body_bytes:
+                raise _too_large(self._max_body_bytes)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _authorize(self, request: Request) -> None:
+        if not _is_authorized(request):
+            raise _unauthorized()
+
+    def _abort_on_replica(self, request_id: str) -> None:
+        task = asyncio.ensure_future(_await_quietly(self._engine.abort.remote(request_id)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _count(self, route: str, status: int) -> None:
+        if self._metrics is not None:
+            self._metrics.count_request(route, status)

@@ -1,0 +1,76 @@
+"""Ray metrics of the ingress and the replicas (exported for Prometheus by Ray).
+
+Created inside the deployments' constructors (metrics need a Ray worker). Names
+are prefixed `stepstream_`; Ray adds its own `ray_` prefix on export.
+
+NOTE: per-chunk observations (ITL, tokens per chunk) run on the hot path; a
+histogram observation costs microseconds, so each is one call per chunk, not per
+token.
+"""
+from __future__ import annotations
+
+from ray.util import metrics
+
+_LATENCY_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+              30.0, 60.0]
+_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+class IngressMetrics:
+    def __init__(self, model: str) -> None:
+        tags = {"model": model}
+        self.requests = metrics.Counter(
+            "stepstream_requests", "HTTP requests by route and status code",
+            tag_keys=("model", "route", "status"))
+        self.requests.set_default_tags(tags)
+        self.ttft_s = metrics.Histogram(
+            "stepstream_time_to_first_token_seconds", "Time to the first streamed token",
+            boundaries=_LATENCY_S, tag_keys=("model",))
+        self.tpot_s = metrics.Histogram(
+            "stepstream_time_per_output_token_seconds",
+            "(latency - TTFT) / (output tokens - 1) per request",
+            boundaries=_LATENCY_S, tag_keys=("model",))
+        self.itl_s = metrics.Histogram(
+            "stepstream_inter_chunk_latency_seconds", "Gap between streamed chunks",
+            boundaries=_LATENCY_S, tag_keys=("model",))
+        self.tokens_per_event = metrics.Histogram(
+            "stepstream_tokens_per_event", "Output tokens in one SSE event",
+            boundaries=_TOKENS, tag_keys=("model",))
+        self.output_tokens = metrics.Counter(
+            "stepstream_output_tokens", "Output tokens sent to clients", tag_keys=("model",))
+        self.prompt_tokens = metrics.Counter(
+            "stepstream_prompt_tokens", "Prompt tokens received", tag_keys=("model",))
+        for m in (self.ttft_s, self.tpot_s, self.itl_s, self.tokens_per_event,
+                  self.output_tokens, self.prompt_tokens):
+            m.set_default_tags(tags)
+
+    def count_request(self, route: str, status: int) -> None:
+        self.requests.inc(1, {"route": route, "status": str(status)})
+
+
+class ReplicaMetrics:
+    def __init__(self, model: str) -> None:
+        tags = {"model": model}
+        self.num_running = metrics.Gauge(
+            "stepstream_num_requests_running", "Requests in the engine's running batch",
+            tag_keys=("model",))
+        self.num_waiting = metrics.Gauge(
+            "stepstream_num_requests_waiting", "Requests waiting for the engine",
+            tag_keys=("model",))
+        self.kv_cache_usage = metrics.Gauge(
+            "stepstream_kv_cache_usage", "Fraction of KV cache blocks in use (0..1)",
+            tag_keys=("model",))
+        self.chunks = metrics.Counter(
+            "stepstream_replica_chunks", "Chunks streamed from replicas to the ingress",
+            tag_keys=("model",))
+        self.tokens_per_chunk = metrics.Histogram(
+            "stepstream_replica_tokens_per_chunk", "Tokens in one replica chunk",
+            boundaries=_TOKENS, tag_keys=("model",))
+        for m in (self.num_running, self.num_waiting, self.kv_cache_usage, self.chunks,
+                  self.tokens_per_chunk):
+            m.set_default_tags(tags)
+
+    def record_stats(self, stats: dict) -> None:
+        self.num_running.set(stats.get("num_running", 0))
+        self.num_waiting.set(stats.get("num_waiting", 0))
+        self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))

@@ -1,0 +1,210 @@
+"""Pydantic models of the OpenAI requests we accept (completions and chat).
+
+Strict on purpose: wrong JSON types are 400s, not silent coercions ("2" is not 2),
+unknown fields are 400s (as OpenAI itself answers), NaN and infinities are
+refused. Value ranges of the sampling fields are not repeated here:
+`replicas.config.SamplingParams` checks them and names the field, and the ingress
+turns its ValueError into a 400. Responses are built as plain dicts in
+`cluster/sse.py` (cheaper than models on the per-chunk path).
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # accepted for vLLM clients; ignored
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = _STRICT
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop):
+        if stop is None:
+            return stop
+        stops = [stop] if isinstance(stop, str) else stop
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        for s in stops:
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} "
+                                 "characters")
+        return stop
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_dict(self, max_tokens: int | None, logprobs: int | None) -> dict:
+        """Keyword arguments of `replicas.config.SamplingParams`."""
+        return {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "seed": self.seed, "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos, "logprobs": logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
+
+class CompletionRequest(_SamplingFields):
+    # A string, or token ids; a batch of one of either is accepted too.
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("only one prompt per request is supported")
+            prompt = prompt[0]
+        if isinstance(prompt, (str, list)) and len(prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix):
+        if suffix:
+            raise ValueError("suffix is not supported")
+        return suffix
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, best_of):
+        if best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return best_of
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, bias):
+        if bias:
+            raise ValueError("logit_bias is not supported")
+        return bias
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def template_messages(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def validation_error_message(err: ValidationError) -> tuple[str, str | None]:
+    """(message, param) for the first problem pydantic found, OpenAI style."""
+    first = err.errors(include_url=False)[0]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return f"Invalid JSON body: {first.get('msg', '')}", None
+    loc = [str(part) for part in first.get("loc", ()) if isinstance(part, (str, int))]
+    # Union members appear in `loc` as type names ("str", "list[int]"); drop them.
+    loc = [part for part in loc if "[" not in part and part not in ("str", "int", "float",
+                                                                    "bool", "none")]
+    param = ".".join(loc) if loc else None
+    msg = first.get("msg", "invalid value")
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if kind == "missing":
+        return f"Missing required field: {param}", param
+    if kind == "model_type":
+        return "The request body must be a JSON object", None
+    msg = msg.removeprefix("Value error, ")
+    return (f"Invalid value for '{param}': {msg}" if param else msg), param

@@ -1,0 +1,253 @@
+"""EngineReplica: a Ray Serve deployment that owns one AsyncEngine.
+
+Token ids in, token deltas out. The engine (and torch) is imported inside the
+constructor, so this module loads on CPU-only nodes.
+
+Chunking. Ray Serve pays a fixed cost per streamed chunk, and a replica's yields
+never block: Serve queues every chunk and sends them one by one. So the stream of
+one request keeps at most ONE chunk in flight: after yielding a chunk it waits
+until Serve has serialized it for sending (a hook in the chunk's `__reduce__`),
+and only then takes the next delta from the engine's collector, which meanwhile
+merged everything the engine produced. The first token leaves at once; at low
+load every token is its own chunk; at high load chunks grow instead of Serve's
+queue. `min_chunk_interval_ms` optionally spaces chunks further; `stream_merge=
+False` sends one chunk per token (the baseline the benchmark compares against).
+
+Cancellation. When the ingress cancels the stream (client gone, stop string),
+Serve cancels this method's task: CancelledError arrives at an `await` or at the
+`yield`, and the `finally` aborts the request in the engine, which frees its KV
+blocks at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from ray import serve
+
+from cluster.errors import ReplicaOverloaded, ReplicaRejected
+from deltas.types import TokenDelta
+
+logger = logging.getLogger("ray.serve")
+
+# NOTE: a safety net, not a pacing knob: if Serve ever sends a chunk without
+# pickling it (local testing mode), the stream still moves on after this long.
+_SENT_ACK_TIMEOUT_S = 1.0
+
+
+def _set_done(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _Chunk:
+    """A TokenDelta in transit. Pickles as a plain TokenDelta, and tells the
+    stream that it has been picked up for sending."""
+
+    __slots__ = ("delta", "_loop", "_sent")
+
+    def __init__(self, delta: TokenDelta, loop: asyncio.AbstractEventLoop,
+                 sent: asyncio.Future) -> None:
+        self.delta = delta
+        self._loop = loop
+        self._sent = sent
+
+    def __reduce__(self):
+        try:
+            self._loop.call_soon_threadsafe(_set_done, self._sent)
+        except RuntimeError:  # the loop is closed: the stream is gone anyway
+            pass
+        d = self.delta
+        return (TokenDelta, (d.request_id, d.token_ids, d.logprobs, d.top_logprobs,
+                             d.finish_reason, d.stop_reason, d.num_prompt_tokens,
+                             d.num_output_tokens, d.error))
+
+
+def split_per_token(delta: TokenDelta) -> list[TokenDelta]:
+    """One delta per token (the no-merge baseline); finish info on the last one."""
+    n = len(delta.token_ids)
+    if n <= 1:
+        return [delta]
+    base = delta.num_output_tokens - n
+    out = []
+    for i, tid in enumerate(delta.token_ids):
+        last = i == n - 1
+        out.append(TokenDelta(
+            delta.request_id, [tid],
+            logprobs=None if delta.logprobs is None else delta.logprobs[i:i + 1],
+            top_logprobs=None if delta.top_logprobs is None else delta.top_logprobs[i:i + 1],
+            finish_reason=delta.finish_reason if last else None,
+            stop_reason=delta.stop_reason if last else None,
+            num_prompt_tokens=delta.num_prompt_tokens,
+            num_output_tokens=base + i + 1,
+            error=delta.error if last else None))
+    return out
+
+
+@serve.deployment(name="EngineReplica", max_ongoing_requests=512,
+                  health_check_period_s=10, health_check_timeout_s=30)
+class EngineReplica:
+    def __init__(self, engine_config: dict, stream_merge: bool = True,
+                 min_chunk_interval_ms: float = 0.0, stats_interval_s: float = 1.0,
+                 engine_factory: Callable[[Any], Any] | None = None) -> None:
+        from replicas.config import EngineConfig
+
+        config = EngineConfig(**engine_config)
+        if engine_factory is None:
+            from replicas.async_engine import AsyncEngine as engine_factory
+        self._engine = engine_factory(config)
+        self._stream_merge = stream_merge
+        self._min_chunk_interval_s = max(0.0, min_chunk_interval_ms) / 1000.0
+        self._model = config.model
+        self._counts = {"num_streams_started": 0, "num_streams_finished": 0,
+                        "num_streams_cancelled": 0, "num_chunks_sent": 0,
+                        "num_tokens_sent": 0}
+        self._replica_id = _replica_id()
+        self._metrics = None
+        self._stop_stats = threading.Event()
+        try:
+            from cluster.metrics import ReplicaMetrics
+            self._metrics = ReplicaMetrics(self._model)
+        except Exception:  # metrics are best effort (e.g. no Ray metrics agent)
+            logger.warning("replica metrics disabled", exc_info=True)
+        self._stats_thread = threading.Thread(
+            target=self._stats_loop, args=(stats_interval_s,), name="replica-stats",
+            daemon=True)
+        self._stats_thread.start()
+
+    # ---- Serve streaming method -------------------------------------------------
+
+    async def generate(self, request: dict):
+        """Stream TokenDeltas for {request_id, prompt_token_ids, sampling_params,
+        [min_chunk_interval_ms]}. Bad input raises ReplicaRejected and a full engine
+        queue ReplicaOverloaded, both before the first chunk."""
+        request_id, stream = self._open_stream(request)
+        interval_ms = request.get("min_chunk_interval_ms")
+        interval_s = self._min_chunk_interval_s if interval_ms is None else interval_ms / 1000.0
+        self._counts["num_streams_started"] += 1
+        finished = False
+        try:
+            delta = await self._first_delta(stream)
+            loop = asyncio.get_running_loop()
+            while True:
+                finished = delta.finish_reason is not None
+                if self._stream_merge:
+                    sent = loop.create_future()
+                    sent_at = time.monotonic()
+                    self._count_chunk(delta)
+                    yield _Chunk(delta, loop, sent)
+                    if finished:
+                        break
+                    # One chunk in flight per stream: the engine's collector merges
+                    # whatever arrives until Serve has picked this one up.
+                    if not sent.done():
+                        await asyncio.wait((sent,), timeout=_SENT_ACK_TIMEOUT_S)
+                    wait_s = sent_at + interval_s - time.monotonic()
+                    if wait_s > 0:
+                        await asyncio.sleep(wait_s)
+                else:
+                    for one in split_per_token(delta):
+                        self._count_chunk(one)
+                        yield one
+                    if finished:
+                        break
+                try:
+                    delta = await stream.__anext__()
+                except StopAsyncIteration:  # the engine ended the stream without a finish
+                    finished = True
+                    break
+        finally:
+            if finished:
+                self._counts["num_streams_finished"] += 1
+            else:
+                self._counts["num_streams_cancelled"] += 1
+                self._engine.abort(request_id)
+            await _close_quietly(stream)
+
+    # ---- unary methods ----------------------------------------------------------
+
+    def abort(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+
+    def model_info(self) -> dict:
+        return {"model": self._model, "model_dir": self._engine.model_dir,
+                "max_model_len": self._engine.max_model_len,
+                "vocab_size": self._engine.vocab_size,
+                "eos_token_ids": list(self._engine.eos_token_ids)}
+
+    def stats(self) -> dict:
+        return {**self._engine.stats(), **self._counts, "replica_id": self._replica_id}
+
+    def check_health(self) -> None:
+        """Serve's health check: raises when the engine thread died or stalled."""
+        self._engine.check_health()
+
+    def health(self) -> bool:
+        """The same check, callable through a handle (the ingress's /health)."""
+        self._engine.check_health()
+        return True
+
+    def __del__(self) -> None:
+        self._stop_stats.set()
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    # ---- internals --------------------------------------------------------------
+
+    def _open_stream(self, request: dict):
+        from replicas.config import SamplingParams
+
+        request_id = request["request_id"]
+        params = request.get("sampling_params") or {}
+        try:
+            if isinstance(params, dict):
+                params = SamplingParams(**params)
+            stream = self._engine.generate(request_id, list(request["prompt_token_ids"]),
+                                           params)
+        except (ValueError, TypeError) as e:
+            raise ReplicaRejected(str(e)) from None
+        return request_id, stream
+
+    async def _first_delta(self, stream) -> TokenDelta:
+        from replicas.async_engine import EngineOverloaded
+
+        try:
+            return await stream.__anext__()
+        except EngineOverloaded as e:
+            raise ReplicaOverloaded(str(e), float(getattr(e, "retry_after_s", 1.0))) from None
+        except ValueError as e:
+            raise ReplicaRejected(str(e)) from None
+
+    def _count_chunk(self, delta: TokenDelta) -> None:
+        self._counts["num_chunks_sent"] += 1
+        self._counts["num_tokens_sent"] += len(delta.token_ids)
+        if self._metrics is not None:
+            self._metrics.chunks.inc()
+            self._metrics.tokens_per_chunk.observe(len(delta.token_ids))
+
+    def _stats_loop(self, interval_s: float) -> None:
+        while not self._stop_stats.wait(interval_s):
+            if self._metrics is None:
+                return
+            try:
+                self._metrics.record_stats(self._engine.stats())
+            except Exception:  # never let a metrics hiccup kill the thread
+                logger.debug("replica stats failed", exc_info=True)
+
+
+async def _close_quietly(stream) -> None:
+    try:
+        await stream.aclose()
+    except Exception:
+        pass
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return "local"

@@ -1,0 +1,144 @@
+"""OpenAI response bodies and server-sent events, for completions and chat.
+
+One formatter per request. The per-chunk path only splices the JSON-encoded text
+(and logprobs) between a prefix and a suffix computed once per request, because
+it runs for every event of every stream.
+
+Event order of a stream: text chunks (the last one carries finish_reason), a usage
+chunk when `stream_options.include_usage`, then `data: [DONE]`. A stream that fails
+after its headers went out ends with an error event and no [DONE]
+(`cluster.errors.sse_error_event`).
+"""
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+DONE_EVENT = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# NOTE: ensure_ascii keeps every event valid UTF-8 whatever the text holds.
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def sse_event(payload: str) -> bytes:
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+def usage_dict(num_prompt_tokens: int, num_output_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens}
+
+
+class _Formatter:
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, response_id: str, model: str, created: int,
+                 include_usage: bool = False) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = created
+        self.include_usage = include_usage
+        head = (f'{{"id":{_dumps(response_id)},"object":"{self.chunk_object_name}",'
+                f'"created":{created},"model":{_dumps(model)},"choices":[{{"index":0,')
+        self._chunk_head = head
+        self._chunk_tail = ',"usage":null}' if include_usage else "}"
+
+    def usage_event(self, num_prompt_tokens: int, num_output_tokens: int) -> bytes:
+        return sse_event(_dumps({
+            "id": self.response_id, "object": self.chunk_object_name,
+            "created": self.created, "model": self.model, "choices": [],
+            "usage": usage_dict(num_prompt_tokens, num_output_tokens)}))
+
+    def _envelope(self, choice: dict, num_prompt_tokens: int, num_output_tokens: int) -> dict:
+        return {"id": self.response_id, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": [choice],
+                "usage": usage_dict(num_prompt_tokens, num_output_tokens)}
+
+
+class CompletionFormatter(_Formatter):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def chunk_event(self, text: str, finish_reason: str | None = None,
+                    logprobs: dict | None = None, stop_reason=None) -> bytes:
+        fields = (f'"text":{_dumps(text)},"logprobs":{_dumps(logprobs)},'
+                  f'"finish_reason":{_dumps(finish_reason)}')
+        if finish_reason is not None:
+            fields += f',"stop_reason":{_dumps(stop_reason)}'
+        return sse_event(self._chunk_head + fields + "}]" + self._chunk_tail)
+
+    def response(self, text: str, finish_reason: str | None, stop_reason,
+                 logprobs: dict | None, num_prompt_tokens: int, num_output_tokens: int) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+        return self._envelope(choice, num_prompt_tokens, num_output_tokens)
+
+
+class ChatFormatter(_Formatter):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._sent_role = False
+
+    def chunk_event(self, text: str, finish_reason: str | None = None,
+                    logprobs: dict | None = None, stop_reason=None) -> bytes:
+        # NOTE: the role rides on the first text chunk instead of an empty chunk of
+        # its own, so the first event a client sees already carries a token.
+        if not self._sent_role:
+            self._sent_role = True
+            delta = f'{{"role":"assistant","content":{_dumps(text)}}}'
+        elif text or finish_reason is None:
+            delta = f'{{"content":{_dumps(text)}}}'
+        else:
+            delta = "{}"
+        fields = (f'"delta":{delta},"logprobs":{_dumps(logprobs)},'
+                  f'"finish_reason":{_dumps(finish_reason)}')
+        if finish_reason is not None:
+            fields += f',"stop_reason":{_dumps(stop_reason)}'
+        return sse_event(self._chunk_head + fields + "}]" + self._chunk_tail)
+
+    def response(self, text: str, finish_reason: str | None, stop_reason,
+                 logprobs: dict | None, num_prompt_tokens: int, num_output_tokens: int) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        return self._envelope(choice, num_prompt_tokens, num_output_tokens)
+
+
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[float],
+                        top_logprobs: list[list[tuple[int, float]]] | None,
+                        token_text: TokenText, text_offset: int) -> dict:
+    """The completions API's logprobs object for some consecutive tokens."""
+    tokens = [token_text(t) for t in token_ids]
+    offsets = []
+    for tok in tokens:
+        offsets.append(text_offset)
+        text_offset += len(tok)
+    tops = None
+    if top_logprobs is not None:
+        tops = [{token_text(t): lp for t, lp in alts} for alts in top_logprobs]
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[float],
+                  top_logprobs: list[list[tuple[int, float]]] | None,
+                  token_text: TokenText) -> dict:
+    """The chat API's logprobs object (`{"content": [...]}`) for some tokens."""
+    content = []
+    for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
+        tok = token_text(tid)
+        alts = top_logprobs[i] if top_logprobs is not None and i < len(top_logprobs) else []
+        content.append({
+            "token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace")),
+            "top_logprobs": [{"token": token_text(t), "logprob": alp,
+                              "bytes": list(token_text(t).encode("utf-8", "replace"))}
+                             for t, alp in alts]})
+    return {"content": content}

@@ -1,0 +1,131 @@
+"""Text deltas of one request -> SSE events, or one JSON body.
+
+Every stream ends honestly: `[DONE]` after a complete answer, or an error event
+in the OpenAI shape (and no `[DONE]`) when anything fails after the headers went
+out. A client disconnect cancels the generator; `Relay` then stops the replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, Callable
+
+from cluster.errors import ApiError, sse_error_event
+from cluster.relay import Relay, aclosing, is_error
+from cluster.sse import DONE_EVENT, chat_logprobs, completion_logprobs
+from deltas.types import TextDelta
+
+logger = logging.getLogger("ray.serve")
+
+TokenText = Callable[[int], str]
+
+
+def _engine_failure(text_delta: TextDelta) -> ApiError:
+    return ApiError(500, f"The request failed while generating: {text_delta.error}",
+                    code="engine_error")
+
+
+def _finish_reason(text_delta: TextDelta) -> str | None:
+    reason = text_delta.finish_reason
+    return None if reason is None else str(reason)
+
+
+def _logprobs(token_ids, logprobs, top_logprobs, chat: bool, token_text: TokenText,
+              text_offset: int) -> dict | None:
+    if logprobs is None:
+        return None
+    if chat:
+        return chat_logprobs(token_ids, logprobs, top_logprobs, token_text)
+    return completion_logprobs(token_ids, logprobs, top_logprobs, token_text, text_offset)
+
+
+class _Timing:
+    """TTFT, ITL (per event) and TPOT of one stream, into the ingress metrics."""
+
+    __slots__ = ("metrics", "started_at", "first_at", "last_at")
+
+    def __init__(self, metrics, started_at: float) -> None:
+        self.metrics = metrics
+        self.started_at = started_at
+        self.first_at = 0.0
+        self.last_at = 0.0
+
+    def event(self, num_tokens: int) -> None:
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        if self.first_at == 0.0:
+            self.first_at = now
+            self.metrics.ttft_s.observe(now - self.started_at)
+        else:
+            self.metrics.itl_s.observe(now - self.last_at)
+        self.last_at = now
+        self.metrics.tokens_per_event.observe(num_tokens)
+
+    def finish(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        if num_output_tokens:
+            self.metrics.output_tokens.inc(num_output_tokens)
+        if num_output_tokens > 1 and self.first_at:
+            self.metrics.tpot_s.observe((self.last_at - self.first_at) / (num_output_tokens - 1))
+
+
+async def sse_events(relay: Relay, formatter, chat: bool, token_text: TokenText | None,
+                     metrics, started_at: float, num_prompt_tokens: int) -> AsyncIterator[bytes]:
+    timing = _Timing(metrics, started_at)
+    text_offset = 0
+    num_output_tokens = 0
+    try:
+        async with aclosing(relay.text_deltas()) as text_deltas:
+            async for td in text_deltas:
+                if is_error(td):
+                    yield sse_error_event(_engine_failure(td))
+                    return
+                logprobs = None
+                if token_text is not None and td.token_ids:
+                    logprobs = _logprobs(td.token_ids, td.logprobs, td.top_logprobs, chat,
+                                         token_text, text_offset)
+                text_offset += len(td.text)
+                num_new_tokens = td.num_output_tokens - num_output_tokens
+                num_output_tokens = td.num_output_tokens
+                if td.text or td.finish_reason is not None or logprobs is not None:
+                    yield formatter.chunk_event(td.text, _finish_reason(td), logprobs,
+                                                td.stop_reason)
+                    timing.event(num_new_tokens)
+        if formatter.include_usage:
+            yield formatter.usage_event(num_prompt_tokens, num_output_tokens)
+        yield DONE_EVENT
+        timing.finish(num_prompt_tokens, num_output_tokens)
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except Exception:
+        logger.exception("stream %s failed", relay.request_id)
+        yield sse_error_event(ApiError(500, "Internal server error", code="internal_error"))
+
+
+async def json_body(relay: Relay, formatter, chat: bool, token_text: TokenText | None,
+                    num_prompt_tokens: int) -> dict:
+    texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    top_logprobs: list = []
+    last = None
+    async with aclosing(relay.text_deltas()) as text_deltas:
+        async for td in text_deltas:
+            if is_error(td):
+                raise _engine_failure(td)
+            texts.append(td.text)
+            if token_text is not None and td.logprobs is not None:
+                token_ids.extend(td.token_ids)
+                logprobs.extend(td.logprobs)
+                top_logprobs.extend(td.top_logprobs or [])
+            last = td
+    assert last is not None  # text_deltas always ends with a finished delta
+    lp = None
+    if token_text is not None:
+        lp = _logprobs(token_ids, logprobs, top_logprobs or None, chat, token_text, 0)
+    return formatter.response("".join(texts), _finish_reason(last), last.stop_reason, lp,
+                              num_prompt_tokens, last.num_output_tokens)

@@ -1,0 +1,78 @@
+"""Helpers for the cluster tests: a local Ray + Serve app fixture, replica stats,
+polling.
+
+Not a test module. Each test module builds ONE app (module-scoped fixture) and
+always shuts Serve and Ray down, so modules never share or leak a cluster.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+import httpx
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(app_args: dict, engine_factory=None, num_cpus: int = 4):
+    """Start local Ray + Serve on a free port with one app; yield the base URL."""
+    import ray
+    from ray import serve
+
+    from cluster.app import AppArgs, make_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    port = free_port()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        if engine_factory is not None:
+            # tests/ is not an installed package: ship the fake by value.
+            import sys
+
+            ray.cloudpickle.register_pickle_by_value(sys.modules[engine_factory.__module__])
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(make_app(AppArgs.model_validate(app_args), engine_factory=engine_factory),
+                  name="stepstream", route_prefix="/", blocking=False)
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base)
+        yield base
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+def wait_healthy(base: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{base}/health did not turn 200 within {timeout_s}s")
+
+
+def engine_handle():
+    from ray import serve
+
+    return serve.get_deployment_handle("EngineReplica", app_name="stepstream")
+
+
+def replica_stats(handle, num_calls: int = 1) -> list[dict]:
+    return [handle.stats.remote().result(timeout_s=30) for _ in range(num_calls)]
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
