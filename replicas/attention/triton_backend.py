@@ -1,5 +1,6 @@
-"""Triton attention backend: Triton KV store and split-KV paged decode; prefill
-through torch's fused scaled_dot_product_attention over the paged cache.
+"""Triton attention backend: Triton KV store, split-KV paged decode and paged causal
+prefill; `prefill="sdpa"` runs prefill through torch's scaled_dot_product_attention
+instead (one call per sequence, its context gathered from the paged cache).
 
 Same KV layout and metadata as every backend (replicas/attention/base.py).
 """
@@ -15,12 +16,19 @@ from replicas.attention.base import AttentionBackend, AttentionMetadata
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, tile_tokens: int = 64, num_kv_splits: int | None = None) -> None:
-        # tile_tokens: KV tokens per inner-loop tile of the decode kernel (power of two >= 16).
+    def __init__(self, tile_tokens: int = 64, num_kv_splits: int | None = None,
+                 prefill: str = "triton") -> None:
+        # tile_tokens: KV tokens (and prefill queries) per kernel tile, a power of two >= 16.
         # num_kv_splits: fixed split count (a power of two), e.g. while capturing CUDA graphs;
         # None picks one per call from the batch shape and max_decode_seq_len.
+        if prefill not in ("triton", "sdpa"):
+            raise ValueError(f"prefill must be 'triton' or 'sdpa', not {prefill!r}")
         self.tile_tokens = tile_tokens
         self.num_kv_splits = num_kv_splits
+        self.prefill = prefill
+        # Device copies of the prefill lists, built once per step (forward runs per layer).
+        self._prefill_key: tuple | None = None
+        self._prefill_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -29,8 +37,10 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)  # (T, num_heads, head_dim)
-        if meta.num_prefills:
-            self._prefill(q, k_cache, v_cache, meta, scale, out)
+        if meta.num_prefills and self.prefill == "triton":
+            self._prefill_triton(q, k_cache, v_cache, meta, scale, out)
+        elif meta.num_prefills:
+            self._prefill_sdpa(q, k_cache, v_cache, meta, scale, out)
         if meta.num_decodes:
             self._decode(q, k_cache, v_cache, meta, scale, out)
         return out
@@ -51,7 +61,24 @@ class TritonAttentionBackend(AttentionBackend):
                                     meta.decode_seq_lens, scale, out[start:end],
                                     num_kv_splits, self.tile_tokens)
 
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _prefill_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        # NOTE: keyed by value, not by the metadata object, which a runner may reuse.
+        key = (q.device, tuple(meta.prefill_query_start_loc), tuple(meta.prefill_seq_lens))
+        if key != self._prefill_key:
+            self._prefill_key = key
+            self._prefill_tensors = (
+                torch.tensor(meta.prefill_query_start_loc, dtype=torch.int32, device=q.device),
+                torch.tensor(meta.prefill_seq_lens, dtype=torch.int32, device=q.device))
+        query_start_loc, seq_lens = self._prefill_tensors
+        starts = meta.prefill_query_start_loc
+        max_query_len = max(starts[i + 1] - starts[i] for i in range(meta.num_prefills))
+        num_tokens = meta.num_prefill_tokens
+        triton_kernels.paged_prefill(q[:num_tokens], k_cache, v_cache, meta.prefill_block_tables,
+                                     query_start_loc, seq_lens, max_query_len, scale,
+                                     out[:num_tokens], self.tile_tokens, self.tile_tokens)
+
+    def _prefill_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         block_size = k_cache.shape[1]
         for i in range(meta.num_prefills):

@@ -1,4 +1,5 @@
-"""Triton kernels for the paged KV cache: store, split-KV decode, split merge.
+"""Triton kernels for the paged KV cache: store, split-KV decode, split merge,
+and a causal prefill that reads its context (cached prefix included) from the cache.
 
 KV layout (replicas/attention/base.py): per layer, `k_cache` and `v_cache` are
 `[num_blocks, block_size, num_kv_heads, head_dim]`; the last dim is contiguous.
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 # NOTE: tl.dot needs every tile dim >= 16 on GPU, so the GQA group is padded to 16
-# query rows and token tiles are at least 16 long.
+# query rows and token tiles are at least 16 long; other aranges are at least 2 long.
 MIN_DOT_DIM = 16
 MAX_NUM_KV_SPLITS = 16
 
@@ -127,22 +128,88 @@ def _merge_splits_kernel(
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
     stride_out_seq, stride_out_head,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s)
+    is_split = offs_s < NUM_SPLITS
+    lse = tl.load(partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s,
+                  mask=is_split, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     # NOTE: all splits empty (seq_len 0) -> every weight is exp2(-inf) = 0 -> output 0.
     weights = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
     total = tl.sum(weights, 0)
     parts = tl.load(partial_out_ptr + seq * stride_po_seq + head * stride_po_head
-                    + offs_s[:, None] * stride_po_split + offs_d[None, :])
+                    + offs_s[:, None] * stride_po_split + offs_d[None, :],
+                    mask=is_split[:, None], other=0.0)
     out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + offs_d,
              out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    out_ptr, scale_log2e,
+    stride_q_tok, stride_q_head, stride_out_tok, stride_out_head,
+    stride_cache_block, stride_cache_tok, stride_cache_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    query_tile = tl.program_id(1)
+    head = tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    num_new_tokens = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    context_len = tl.load(seq_lens_ptr + seq)
+    num_cached_tokens = context_len - num_new_tokens
+
+    offs_m = query_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index among the new tokens
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    is_real_query = offs_m < num_new_tokens
+    query_pos = num_cached_tokens + offs_m  # absolute position: causal with the cached prefix
+    q = tl.load(q_ptr + (query_start + offs_m)[:, None] * stride_q_tok + head * stride_q_head
+                + offs_d[None, :], mask=is_real_query[:, None], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    head_offset = (head // GROUP) * stride_cache_head
+    # Keys this tile can see end at its last query's position; a tile past the end sees none.
+    kv_end = tl.minimum(context_len, num_cached_tokens + (query_tile + 1) * BLOCK_M)
+    kv_end = tl.where(query_tile * BLOCK_M < num_new_tokens, kv_end, 0)
+
+    for kv_start in range(0, kv_end, BLOCK_N):
+        pos = kv_start + offs_n
+        is_valid = pos < context_len
+        if BLOCK_SIZE >= BLOCK_N:
+            block = tl.load(block_table_row + kv_start // BLOCK_SIZE).to(tl.int64)
+        else:
+            block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=is_valid, other=0).to(tl.int64)
+        rows = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_tok + head_offset
+        kv_offsets = rows[:, None] + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_offsets, mask=is_valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        visible = is_valid[None, :] & (pos[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))  # (BLOCK_M, BLOCK_N)
+        # NOTE: every row sees key 0 in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=is_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (query_start + offs_m)[:, None] * stride_out_tok + head * stride_out_head
+             + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=is_real_query[:, None])
 
 
 def _check_kv_layout(k_cache: torch.Tensor) -> None:
@@ -171,7 +238,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        NUM_KV_HEADS=num_kv_heads, KV_HEADS_P2=max(2, triton.next_power_of_2(num_kv_heads)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
     )
 
@@ -236,5 +303,37 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torc
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=head_dim,
     )
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, max_query_len: int, scale: float, out: torch.Tensor,
+                  block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+    """Causal prefill over the paged cache (the new tokens' K/V already stored).
+
+    q: (num_new_tokens, num_heads, head_dim), sequences back to back; query_start_loc:
+    (num_seqs + 1,) int32 cumulative new-token counts; seq_lens: (num_seqs,) int32 context
+    lengths (cached + new); block_tables: (num_seqs, max_blocks) int32; out like q, written.
+    """
+    _check_kv_layout(k_cache)
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    block_m, block_n = max(block_m, MIN_DOT_DIM), max(block_n, MIN_DOT_DIM)
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision,
+    )
+    return out
