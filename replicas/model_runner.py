@@ -135,6 +135,7 @@ class ModelRunner:
             decode_block_tables=self._block_table_tensor(decode_reqs) if decode_reqs else None,
             # NOTE: covers the whole window, so it stays valid as lengths grow
             max_decode_seq_len=max(decode_seq_lens, default=0) + sched.num_steps - 1,
+            decode_window_cache={} if sched.num_steps > 1 else None,
         )
         return StepInputs(torch.tensor(ids, dtype=torch.int64, device=dev),
                           torch.tensor(positions, dtype=torch.int64, device=dev), meta,

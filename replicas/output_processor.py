@@ -8,6 +8,7 @@ finished are handed back to the engine thread through `finished`.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -24,6 +25,7 @@ class OutputProcessor:
         self.finished: deque[Request] = deque()  # appended here, drained by the engine
         self._held_sinks: list = []  # per-window release: sinks to wake at window end
         self.num_output_tokens = 0
+        self.cpu_time_s = 0.0  # thread CPU time spent in process_step (benchmarks)
 
     # -- engine-thread side ---------------------------------------------------
     def submit(self, rows: list[Request], sampled: list, counts: list[int], is_window_end: bool) -> None:
@@ -55,6 +57,11 @@ class OutputProcessor:
 
     # -- the per-step loop (output thread when async) ---------------------------
     def process_step(self, rows: list[Request], sampled: list, counts: list[int], is_window_end: bool) -> None:
+        start = time.thread_time()
+        self._process_step(rows, sampled, counts, is_window_end)
+        self.cpu_time_s += time.thread_time() - start
+
+    def _process_step(self, rows: list[Request], sampled: list, counts: list[int], is_window_end: bool) -> None:
         notify = self.release_per_step or is_window_end
         with_logprobs = bool(sampled) and isinstance(sampled[0], list)
         max_model_len = self.max_model_len

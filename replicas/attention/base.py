@@ -29,6 +29,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # (num_decodes,) int32, the current token included
     decode_block_tables: torch.Tensor | None  # (num_decodes, max_blocks) int32
     max_decode_seq_len: int = 0
+    # Scratch that lives for one multi-step window (None outside windows): a
+    # backend may keep per-layer state here, e.g. the gathered context.
+    decode_window_cache: dict | None = None
 
 
 class AttentionBackend:

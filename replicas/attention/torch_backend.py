@@ -60,13 +60,36 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: (B, h, d), one token per sequence, attending to its whole context."""
-        bs = k_cache.shape[1]
-        nb = -(-meta.max_decode_seq_len // bs)
-        tables = meta.decode_block_tables[:, :nb]
-        k = gather_context(k_cache, tables)  # (B, kvh, L, d)
-        v = gather_context(v_cache, tables)
+        k, v = TorchAttentionBackend._decode_context(k_cache, v_cache, meta)  # (B, kvh, L, d)
         L = k.shape[2]
         mask = torch.arange(L, device=q.device).unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                            scale=scale, enable_gqa=True)
         return o.squeeze(2)
+
+    @staticmethod
+    def _decode_context(k_cache, v_cache, meta: AttentionMetadata):
+        """The decode batch's contexts as dense (B, kvh, L, d) tensors.
+
+        NOTE: inside a multi-step window the contexts only grow by one token per
+        step and block tables are fixed, so the paged gather happens once per
+        window; later steps write just the new token into the dense copy.
+        """
+        window = meta.decode_window_cache
+        entry = window.get(k_cache.data_ptr()) if window is not None else None
+        if entry is None:
+            bs = k_cache.shape[1]
+            tables = meta.decode_block_tables[:, :-(-meta.max_decode_seq_len // bs)]
+            k = gather_context(k_cache, tables).contiguous()
+            v = gather_context(v_cache, tables).contiguous()
+            if window is not None:
+                window[k_cache.data_ptr()] = (k, v)
+            return k, v
+        k, v = entry
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        slots = meta.slot_mapping[meta.num_prefill_tokens:]
+        rows = torch.arange(k.shape[0], device=k.device)
+        pos = (meta.decode_seq_lens - 1).long()
+        k[rows, :, pos] = k_cache.view(-1, kvh, d).index_select(0, slots)
+        v[rows, :, pos] = v_cache.view(-1, kvh, d).index_select(0, slots)
+        return k, v
