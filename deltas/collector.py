@@ -19,7 +19,7 @@ from deltas.types import FinishReason, TokenDelta
 class DeltaSink(Protocol):
     """What the engine writes to: an asyncio DeltaCollector or an offline ListSink."""
 
-    def put(self, delta: TokenDelta, notify: bool = True) -> None: ...
+    def put(self, delta: TokenDelta, notify: bool = True, wakes: "WakeBatch | None" = None) -> None: ...
     def notify(self) -> None: ...
     def put_error(self, message: str) -> None: ...
 
@@ -27,6 +27,42 @@ class DeltaSink(Protocol):
 def _wake(waiter: asyncio.Future) -> None:
     if not waiter.done():  # the consumer may have been cancelled meanwhile
         waiter.set_result(None)
+
+
+def _wake_all(waiters: list[asyncio.Future]) -> None:
+    for waiter in waiters:
+        _wake(waiter)
+
+
+class WakeBatch:
+    """Gathers the consumers to wake during one engine step, then wakes them with
+    one `call_soon_threadsafe` per event loop instead of one per request.
+
+    NOTE: with per-step release every stream is woken every step; a batch turns
+    B self-pipe writes and B loop wake-ups into one.
+    """
+
+    __slots__ = ("_by_loop",)
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future) -> None:
+        waiters = self._by_loop.get(loop)
+        if waiters is None:
+            self._by_loop[loop] = [waiter]
+        else:
+            waiters.append(waiter)
+
+    def flush(self) -> None:
+        if not self._by_loop:
+            return
+        for loop, waiters in self._by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_wake_all, waiters)
+            except RuntimeError:  # the loop closed: nobody is waiting any more
+                pass
+        self._by_loop = {}
 
 
 class DeltaCollector:
@@ -54,7 +90,8 @@ class DeltaCollector:
     def finished(self) -> bool:
         return self._is_done
 
-    def put(self, delta: TokenDelta, notify: bool = True) -> None:
+    def put(self, delta: TokenDelta, notify: bool = True, wakes: WakeBatch | None = None) -> None:
+        """`wakes`: defer the wake-up to the caller's batch (one per step)."""
         with self._lock:
             if self._is_closed:
                 return
@@ -66,7 +103,10 @@ class DeltaCollector:
                 self._pending.merge(delta)
             waiter = self._take_waiter_locked() if notify else None
         if waiter is not None:
-            self._wake(waiter)
+            if wakes is not None and threading.get_ident() != self._loop_thread_id:
+                wakes.add(self._loop, waiter)
+            else:
+                self._wake(waiter)
 
     def notify(self) -> None:
         """Wake the consumer for deltas put with notify=False (end of a release window)."""
@@ -129,7 +169,7 @@ class ListSink:
     def finished(self) -> bool:
         return self.delta.finish_reason is not None
 
-    def put(self, delta: TokenDelta, notify: bool = True) -> None:
+    def put(self, delta: TokenDelta, notify: bool = True, wakes: WakeBatch | None = None) -> None:
         if not self.finished:
             self.delta.merge(delta)
 

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from deltas.collector import WakeBatch
 from deltas.types import FinishReason, TokenDelta
 from replicas.request import Request
 
@@ -66,6 +67,7 @@ class OutputProcessor:
         with_logprobs = bool(sampled) and isinstance(sampled[0], list)
         max_model_len = self.max_model_len
         held = self._held_sinks
+        wakes = WakeBatch()
         for i, req in enumerate(rows):
             if req.finish_reason is not None:
                 continue  # stopped earlier in this window: its extra tokens drop
@@ -91,7 +93,8 @@ class OutputProcessor:
                 if not notify:
                     # skipped by the window's last step: woken at the window end
                     held.append(req.sink)
-            req.sink.put(delta, notify)
+            req.sink.put(delta, notify, wakes)
+        wakes.flush()  # one cross-thread wake-up for every consumer of this step
         self.num_output_tokens += len(rows)
         if is_window_end and held:
             for sink in held:

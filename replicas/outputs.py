@@ -33,7 +33,7 @@ class CollectingSink:
         self.keep_deltas = keep_deltas
         self.deltas: list[TokenDelta] = []
 
-    def put(self, delta: TokenDelta, notify: bool = True) -> None:
+    def put(self, delta: TokenDelta, notify: bool = True, wakes=None) -> None:
         out = self.output
         out.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:

@@ -85,7 +85,7 @@ class RecordingSink:
         self.token_ids, self.wakes, self.finish_reason = [], [], None
         self._unreleased = 0
 
-    def put(self, delta, notify=True):
+    def put(self, delta, notify=True, wakes=None):
         self.token_ids += delta.token_ids
         self._unreleased += len(delta.token_ids)
         self.finish_reason = delta.finish_reason or self.finish_reason
