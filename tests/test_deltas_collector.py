@@ -164,3 +164,39 @@ def test_list_sink_merges_without_a_loop():
     error_sink.put(delta([1], 1))
     error_sink.put_error("boom")
     assert error_sink.delta.finish_reason == FinishReason.ERROR and error_sink.delta.num_output_tokens == 1
+
+
+def test_wake_batch_wakes_every_waiting_consumer_with_one_loop_call():
+    import asyncio as _asyncio
+    import threading as _threading
+
+    from deltas.collector import DeltaCollector, WakeBatch
+    from deltas.types import TokenDelta
+
+    async def main():
+        loop = _asyncio.get_running_loop()
+        collectors = [DeltaCollector(f"r{i}") for i in range(10)]
+        getters = [_asyncio.ensure_future(c.get()) for c in collectors]
+        await _asyncio.sleep(0.01)  # every consumer is now waiting
+        calls = []
+        real = loop.call_soon_threadsafe
+
+        def counting(*args):
+            calls.append(args)
+            return real(*args)
+        loop.call_soon_threadsafe = counting
+
+        def produce():
+            batch = WakeBatch()
+            for i, c in enumerate(collectors):
+                c.put(TokenDelta(f"r{i}", [i]), True, batch)
+            assert not calls  # nothing woken before the flush
+            batch.flush()
+        t = _threading.Thread(target=produce)
+        t.start()
+        t.join()
+        got = await _asyncio.wait_for(_asyncio.gather(*getters), 2)
+        return calls, got
+    calls, got = asyncio.run(main())
+    assert len(calls) == 1
+    assert [d.token_ids for d in got] == [[i] for i in range(10)]
