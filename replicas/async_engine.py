@@ -131,6 +131,7 @@ class AsyncEngine:
     def _run(self) -> None:
         core = self.core
         try:
+            core.bind_thread()
             while not self._is_stopping:
                 if not core.has_work and not self._commands:
                     self._wakeup.wait(1.0)

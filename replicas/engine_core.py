@@ -27,8 +27,7 @@ logger = logging.getLogger("stepstream")
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        self.bind_thread()
         torch.manual_seed(config.seed)
         self.model_dir = ensure_model_dir(config.model)
         from replicas.models.model_config import ModelConfig
@@ -52,6 +51,15 @@ class EngineCore:
         self._last_num_steps = 0
         self.num_steps = 0  # model steps run, for stats and health
         self.last_step_time = time.monotonic()
+
+    def bind_thread(self) -> None:
+        """Apply the torch thread count in the calling thread.
+
+        NOTE: OpenMP's thread count is per calling thread, so the engine loop's
+        own thread must set it again.
+        """
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
 
     # -- requests -------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
