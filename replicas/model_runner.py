@@ -2,7 +2,10 @@
 decode steps whose inputs advance in place on the device.
 
 The step's only host sync is `_host_sync` (the sampled ids, and logprobs when
-asked, in one tensor); everything else stays on the device.
+asked, in one tensor); everything else stays on the device. On CUDA it is
+`_host_sync_pending` instead: an async copy into pinned memory, waited for only
+after the next step is enqueued; decode steps there replay CUDA graphs
+(replicas/cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 
 from replicas.attention.base import AttentionBackend, AttentionMetadata
 from replicas.config import EngineConfig
+from replicas.cuda_graphs import PendingHostCopy, build_decode_graphs, start_host_copy
 from replicas.models.loader import load_model
 from replicas.models.model_config import ModelConfig
 from replicas.request import Request
@@ -70,6 +74,12 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
                            torch.zeros(shape, dtype=dtype, device=self.device))
                           for _ in range(mc.num_layers)]
+        # CUDA only: decode steps replay captured graphs (None elsewhere), and each
+        # step's host copy overlaps the next step (see execute).
+        self.decode_graphs = build_decode_graphs(config, self.model, self.kv_caches, self.backend,
+                                                 mc.num_kv_heads, mc.vocab_size, self.device,
+                                                 max_model_len)
+        self.pipelined_host_copy = self.device.type == "cuda"
 
     def _num_blocks(self, max_model_len: int) -> int:
         mc = self.model_config
@@ -148,18 +158,44 @@ class ModelRunner:
         sampling = build_sampling_batch(inputs.sampled_rows, self.model_config.vocab_size, self.device)
         if sched.num_steps > 1 and sched.prefill_seqs:
             raise AssertionError("a multi-step window holds decodes only")
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_for(inputs.meta) if graphs is not None else None
+        if bucket is not None:
+            inputs = graphs.load_inputs(inputs, bucket)
+        pending: PendingHostCopy | None = None
         for step in range(sched.num_steps):
-            logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                self.backend, inputs.logits_indices)
+            if bucket is not None:
+                logits = graphs.replay(bucket, inputs.meta.num_decodes)
+            else:
+                logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                    self.backend, inputs.logits_indices)
             sampled, packed = sample_no_sync(logits, sampling)
             if step + 1 < sched.num_steps:
                 meta = inputs.meta
                 advance_decode_inputs_(inputs.input_ids, inputs.positions, meta.decode_seq_lens,
                                        meta.slot_mapping, sampled, meta.decode_block_tables,
                                        self.block_size)
-            on_step(step, inputs.sampled_rows, self._host_sync(packed))
+            if not self.pipelined_host_copy:
+                on_step(step, inputs.sampled_rows, self._host_sync(packed))
+                continue
+            # NOTE: step k is fully enqueued (and its copy started) before the host
+            # blocks on step k-1, so the device never waits on output processing.
+            copy = start_host_copy(packed)
+            if pending is not None:
+                on_step(step - 1, inputs.sampled_rows, self._host_sync_pending(pending))
+            pending = copy
+        if pending is not None:
+            on_step(sched.num_steps - 1, inputs.sampled_rows, self._host_sync_pending(pending))
 
     @staticmethod
     def _host_sync(packed: torch.Tensor) -> list:
         """NOTE: the step's one device-to-host sync point."""
         return packed.tolist()
+
+    @staticmethod
+    def _host_sync_pending(pending: PendingHostCopy) -> list:
+        """NOTE: the step's one device-to-host sync point on CUDA: waits for this
+        step's copy event only, while later steps keep the device busy."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        return pending.host.tolist()

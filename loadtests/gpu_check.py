@@ -1,0 +1,416 @@
+"""One-shot device check: `python -m loadtests.gpu_check [--quick] [--out DIR]`.
+
+Four parts, each time-boxed and caught on its own, the JSON rewritten after each:
+  kernel_accuracy   Triton decode vs the torch backend (Llama-3-8B, Qwen shapes)
+  graph_decode      CUDA-graph 8-step windows == step-by-step eager decode (greedy)
+  decode_bandwidth  KV bytes read per second vs the H200's ~4.3 TB/s
+  end_to_end        a Llama-3.1-8B-shaped model with random bf16 weights (built on the
+                    device, no files), ShareGPT-like lengths, all requests sent at once
+                    through the offline AsyncEngine: N=8 per-step streaming, N=8
+                    per-window release, N=1; seed-format result blocks beside the JSON.
+The whole run fits 7 minutes on one H200. Without CUDA the GPU-only parts say
+"skipped: no CUDA"; `--quick` shrinks everything (tiny shapes, 32 requests) and runs
+the end-to-end plumbing on CPU too.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import gc
+import json
+import os
+import platform
+import random
+import tempfile
+import time
+import traceback
+
+import numpy as np
+import torch
+
+SEED_H100_REFERENCE = {
+    "source": "seed figures: vLLM, Llama-3.1-8B, one H100, 1000 ShareGPT prompts, streaming",
+    "output_tokens_per_s": 8294.0, "median_tpot_ms": 22.95, "median_itl_ms": 14.17,
+}
+LLAMA31_8B_SHAPE = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+}
+QUICK_SHAPE = {**LLAMA31_8B_SHAPE, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 16, "eos_token_id": [1]}
+E2E_CONFIGS = [  # name -> EngineConfig overrides
+    ("N=8 per-step streaming", {"num_scheduler_steps": 8, "release_per_step": True}),
+    ("N=8 per-window release", {"num_scheduler_steps": 8, "release_per_step": False}),
+    ("N=1", {"num_scheduler_steps": 1}),
+]
+TOKENS_PER_WORD = 1.3  # the ShareGPT sample's lengths are in words; Llama-3 BPE is ~1.3 per word
+PARTS = ("kernel_accuracy", "graph_decode", "decode_bandwidth", "end_to_end")
+
+
+class Skipped(Exception):
+    """The part cannot run here; its message is the reason."""
+
+
+def _log(message: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise Skipped("skipped: no CUDA")
+
+
+# -- the report ----------------------------------------------------------------------
+class Report:
+    """The JSON and the result blocks, rewritten after every part."""
+
+    def __init__(self, out_dir: str, quick: bool, deadline: float):
+        os.makedirs(out_dir, exist_ok=True)
+        self.json_path = os.path.join(out_dir, "gpu_check.json")
+        self.blocks_path = os.path.join(out_dir, "gpu_check_blocks.txt")
+        self.deadline = deadline
+        self.blocks: list[str] = []
+        self.data = {"quick": quick, "environment": _environment(),
+                     "seed_h100_reference": SEED_H100_REFERENCE, "parts": {}}
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, name: str, fn, budget_s: float) -> None:
+        budget_s = max(5.0, min(budget_s, self.seconds_left()))
+        _log(f"{name}: start (budget {budget_s:.0f} s)")
+        start = time.monotonic()
+        entry: dict = {"budget_s": budget_s}
+        try:
+            entry.update(status="ok", result=fn(budget_s))
+        except Skipped as why:
+            entry.update(status="skipped", reason=str(why))
+        except Exception as error:  # noqa: BLE001 - one failure must not lose the others
+            entry.update(status="error", error=f"{type(error).__name__}: {error}",
+                         traceback=traceback.format_exc(limit=8))
+        entry["seconds"] = time.monotonic() - start
+        self.data["parts"][name] = entry
+        _log(f"{name}: {entry['status']} in {entry['seconds']:.1f} s"
+             + (f" ({entry.get('reason') or entry.get('error')})" if entry["status"] != "ok" else ""))
+        self.write()
+
+    def add_block(self, title: str, block: str) -> None:
+        self.blocks.append(f"# {title}\n{block}")
+        print(self.blocks[-1], flush=True)
+
+    def write(self) -> None:
+        with open(self.json_path, "w") as f:
+            json.dump(self.data, f, indent=1, default=str)
+        with open(self.blocks_path, "w") as f:
+            f.write("\n\n".join(self.blocks) + ("\n" if self.blocks else ""))
+
+
+def _environment() -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda_available": torch.cuda.is_available()}
+    with contextlib.suppress(Exception):
+        import triton
+        env["triton"] = triton.__version__
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["torch_cuda"] = torch.version.cuda
+    from replicas.attention.selector import why_backend_cannot_run
+    env["flash_attn"] = why_backend_cannot_run(
+        "flash-attn", torch.device("cuda"), torch.bfloat16, 256) or "usable"
+    return env
+
+
+# -- parts a and c: the kernel checks (loadtests/gpu_kernel_check.py) ----------------------
+def part_kernel_accuracy(budget_s: float) -> dict:
+    _require_cuda()
+    from loadtests.gpu_kernel_check import check_decode_kernel_accuracy
+    rows = check_decode_kernel_accuracy()
+    return {"all_ok": all(r["ok"] for r in rows), "rows": rows}
+
+
+def part_decode_bandwidth(budget_s: float) -> dict:
+    _require_cuda()
+    from loadtests.gpu_kernel_check import measure_decode_bandwidth
+    return measure_decode_bandwidth()
+
+
+# -- part b: graph-captured windows vs step-by-step eager decode --------------------------
+def part_graph_decode(budget_s: float) -> dict:
+    _require_cuda()
+    from replicas import Engine, EngineConfig, SamplingParams
+    from replicas.presets import write_random_checkpoint
+    config = {"model_type": "llama", "vocab_size": 8192, "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 8192) for _ in range(rng.randrange(3, 300))] for _ in range(24)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_random_checkpoint(model_dir, config, seed=7)
+        base = dict(model=model_dir, device="cuda", dtype="float32", attention_backend="triton",
+                    max_model_len=1024, max_num_seqs=32)
+        with Engine(EngineConfig(num_scheduler_steps=8, **base)) as engine:
+            graphs = engine.core.runner.decode_graphs
+            if graphs is None:
+                raise RuntimeError("no decode graphs were captured on CUDA with the triton backend")
+            with_graphs = [o.token_ids for o in engine.generate(prompts, params)]
+            num_replays, buckets = graphs.num_replays, graphs.buckets
+            engine.core.runner.decode_graphs = None  # the same windows, eager
+            eager_windows = [o.token_ids for o in engine.generate(prompts, params)]
+        with Engine(EngineConfig(num_scheduler_steps=1, **base)) as engine:
+            engine.core.runner.decode_graphs = None  # step by step, eager
+            eager_steps = [o.token_ids for o in engine.generate(prompts, params)]
+    return {"identical": with_graphs == eager_steps == eager_windows,
+            "graph_n8_vs_eager_n1": _token_diff(with_graphs, eager_steps),
+            "graph_n8_vs_eager_n8": _token_diff(with_graphs, eager_windows),
+            "num_requests": len(prompts), "num_tokens": sum(map(len, eager_steps)),
+            "num_graph_replays": num_replays, "buckets": buckets,
+            "model": "llama 4 layers, 8/2 heads x 32, float32, random weights, triton backend"}
+
+
+def _token_diff(a: list[list[int]], b: list[list[int]]) -> dict:
+    mismatches = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    first = None
+    if mismatches:
+        x, y = a[mismatches[0]], b[mismatches[0]]
+        position = next((j for j, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        first = {"request": mismatches[0], "position": position}
+    return {"identical": not mismatches, "num_mismatching_requests": len(mismatches),
+            "first_mismatch": first}
+
+
+# -- part d: end to end with random weights built on the device -----------------------------
+def build_random_model(model_dir: str, dtype: str, device: torch.device, max_positions: int,
+                       seed: int = 0):
+    """The model for config.json in model_dir, random weights drawn in place on the device
+    (no checkpoint files): matrices N(0, 0.02), norms 1."""
+    from replicas.models.llama import LlamaForCausalLM
+    from replicas.models.model_config import ModelConfig
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    model = model.to(getattr(torch, dtype)).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    model.rope.build(cfg, max_positions, torch.device(device))
+    return model.eval()
+
+
+@contextlib.contextmanager
+def random_weights(seed: int = 0):
+    """ModelRunner builds its model with build_random_model while inside."""
+    import replicas.model_runner as model_runner
+    original = model_runner.load_model
+    model_runner.load_model = functools.partial(build_random_model, seed=seed)
+    try:
+        yield
+    finally:
+        model_runner.load_model = original
+
+
+def write_model_config(model_dir: str, shape: dict) -> str:
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(shape, f, indent=1)
+    return model_dir
+
+
+def sharegpt_like_workload(num_requests: int, vocab_size: int, length_scale: float,
+                           seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs with the ShareGPT sample's lengths (vLLM's
+    filter: prompt 4..1024, prompt + output <= 2048), in tokens, times length_scale."""
+    from loadtests.datasets import MAX_PROMPT_LEN, MAX_TOTAL_LEN, sample_sharegpt_requests
+    rng = np.random.default_rng(seed)
+    workload = []
+    for r in sample_sharegpt_requests(None, num_requests, seed=seed):
+        prompt_len = min(MAX_PROMPT_LEN, round(r.prompt_len * TOKENS_PER_WORD))
+        output_len = min(MAX_TOTAL_LEN - prompt_len, round(r.expected_output_len * TOKENS_PER_WORD))
+        prompt_len = max(2, round(prompt_len * length_scale))
+        output_len = max(2, round(output_len * length_scale))
+        workload.append((rng.integers(0, vocab_size, prompt_len).tolist(), output_len))
+    return workload
+
+
+async def _stream_all(engine, workload, budget_s: float, progress_s: float):
+    from deltas.types import OutputKind
+    from loadtests.metrics import RequestTimeline
+    from replicas import SamplingParams
+    send_time = time.perf_counter()
+    timelines = [RequestTimeline(send_time=send_time, prompt_len=len(p), chunk_num_tokens=[])
+                 for p, _ in workload]
+
+    async def one(i: int, prompt: list[int], output_len: int) -> None:
+        t = timelines[i]
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                                output_kind=OutputKind.DELTA)
+        async for delta in engine.generate(f"r{i}", prompt, params):
+            if delta.token_ids:
+                t.chunk_times.append(time.perf_counter())
+                t.num_output_tokens += len(delta.token_ids)
+                t.chunk_num_tokens.append(len(delta.token_ids))
+            if delta.finish_reason is not None and delta.error:
+                t.success, t.error = False, delta.error
+
+    tasks = [asyncio.create_task(one(i, p, n)) for i, (p, n) in enumerate(workload)]
+    end = send_time + budget_s
+    pending = set(tasks)
+    while pending and time.perf_counter() < end:
+        _, pending = await asyncio.wait(pending, timeout=min(progress_s, end - time.perf_counter()))
+        done = len(tasks) - len(pending)
+        tokens = sum(t.num_output_tokens for t in timelines)
+        _log(f"  {done}/{len(tasks)} done, {tokens} tokens, {time.perf_counter() - send_time:.0f} s")
+    duration = time.perf_counter() - send_time
+    for task in pending:  # past the budget: cut off (the stream's close aborts it)
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for task, t in zip(tasks, timelines):
+        if task.cancelled() or task.exception() is not None:
+            t.success = False
+            t.error = "cut off at the time budget" if task.cancelled() else repr(task.exception())
+    return timelines, duration, len(pending)
+
+
+def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tuple[dict, object]:
+    """One engine, all requests at once; (JSON result, BenchmarkSummary)."""
+    from loadtests.metrics import summarize
+    from replicas import SamplingParams
+    from replicas.async_engine import AsyncEngine
+    start = time.monotonic()
+    engine = AsyncEngine(config)
+    try:
+        startup_s = time.monotonic() - start
+
+        async def warm() -> None:  # compiles the prefill and decode kernels once
+            warm_params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+            await asyncio.gather(*[_drain(engine.generate(f"warm{i}", p[:64], warm_params))
+                                   for i, (p, _) in enumerate(workload[:4])])
+        asyncio.run(warm())
+        runner = engine.core.runner
+        replays0 = runner.decode_graphs.num_replays if runner.decode_graphs is not None else 0
+        run_budget = max(5.0, budget_s - (time.monotonic() - start))
+        timelines, duration, num_cut = asyncio.run(_stream_all(engine, workload, run_budget, progress_s))
+        stats = engine.stats()
+        graphs = runner.decode_graphs
+        result = {
+            "startup_s": startup_s, "attention_backend": runner.backend.name,
+            "decode_graphs": graphs.buckets if graphs is not None else None,
+            "num_graph_replays": (graphs.num_replays - replays0) if graphs is not None else 0,
+            "num_requests_cut_off": num_cut,
+            "all_streams_tokens_per_s": sum(t.num_output_tokens for t in timelines) / duration,
+            "engine_stats": stats,
+        }
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    summary = summarize(timelines, duration)
+    result["summary"] = summary.to_dict()
+    return result, summary
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+def part_end_to_end(report: Report, quick: bool, num_requests: int | None, budget_s: float) -> dict:
+    from loadtests.metrics import format_result_block
+    from replicas import EngineConfig
+    on_cuda = torch.cuda.is_available()
+    shape = QUICK_SHAPE if quick else LLAMA31_8B_SHAPE
+    num_requests = num_requests or (32 if quick else 1000)
+    workload = sharegpt_like_workload(num_requests, shape["vocab_size"], 0.08 if quick else 1.0)
+    base = dict(device="cuda" if on_cuda else "cpu", dtype="bfloat16" if on_cuda else "float32",
+                max_model_len=256 if quick else 4096, max_num_seqs=16 if quick else 256,
+                kv_cache_gib=0.25 if quick else 24.0, max_num_batched_tokens=512 if quick else 4096)
+    results = {"model": "llama-3.1-8b shape" if not quick else "tiny llama shape",
+               "shape": shape, "weights": "random, drawn on the device", "engine": base,
+               "num_requests": num_requests,
+               "total_prompt_tokens": sum(len(p) for p, _ in workload),
+               "total_output_tokens_asked": sum(n for _, n in workload), "configs": {}}
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as model_dir, random_weights():
+        write_model_config(model_dir, shape)
+        for i, (name, overrides) in enumerate(E2E_CONFIGS):
+            left = budget_s - (time.monotonic() - start)
+            config_budget = left / (len(E2E_CONFIGS) - i)
+            _log(f"end_to_end: {name} (budget {config_budget:.0f} s)")
+            try:
+                config = EngineConfig(model=model_dir, **base, **overrides)
+                result, summary = run_e2e_config(config, workload, config_budget, 10.0)
+                results["configs"][name] = result
+                report.add_block(f"end_to_end {name}: {results['model']}, {num_requests} requests "
+                                 f"at once, {report.data['environment'].get('device', 'cpu')}",
+                                 format_result_block(summary))
+            except Exception as error:  # noqa: BLE001 - the other configs still run
+                results["configs"][name] = {"status": "error", "error": f"{type(error).__name__}: {error}",
+                                            "traceback": traceback.format_exc(limit=8)}
+                _log(f"end_to_end: {name} failed: {error}")
+            report.data["parts"]["end_to_end"] = {"status": "running", "result": results}
+            report.write()
+    results["comparison"] = _compare(results["configs"], quick)
+    return results
+
+
+def _compare(configs: dict, quick: bool) -> dict:
+    def get(name, key):
+        return configs.get(name, {}).get("summary", {}).get(key)
+    step, window, single = (n for n, _ in E2E_CONFIGS)
+    out = {}
+    for name in (step, window, single):
+        out[name] = {k: get(name, k) for k in ("output_throughput", "median_tpot_ms", "median_itl_ms")}
+    if get(step, "median_tpot_ms") and get(window, "median_tpot_ms"):
+        out["step_vs_window_tpot_cost"] = get(step, "median_tpot_ms") / get(window, "median_tpot_ms") - 1
+        out["window_vs_step_median_itl_ratio"] = get(window, "median_itl_ms") / get(step, "median_itl_ms")
+    if get(step, "output_throughput") and get(single, "output_throughput"):
+        out["n8_step_vs_n1_throughput"] = get(step, "output_throughput") / get(single, "output_throughput")
+    if get(step, "output_throughput") and not quick:
+        out["n8_step_vs_seed_h100_throughput"] = (get(step, "output_throughput")
+                                                  / SEED_H100_REFERENCE["output_tokens_per_s"])
+    return out
+
+
+# -- main ----------------------------------------------------------------------------------
+BUDGETS_S = {"kernel_accuracy": 60, "graph_decode": 60, "decode_bandwidth": 45, "end_to_end": 300}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "results", help="result directory")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, 32 requests")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--num-requests", type=int, default=None, help="end to end (1000; quick: 32)")
+    ap.add_argument("--total-budget-s", type=float, default=380.0,
+                    help="the whole run's deadline (7 minutes less start-up and shutdown)")
+    args = ap.parse_args(argv)
+    report = Report(args.out, args.quick, time.monotonic() + args.total_budget_s)
+    _log(f"device: {report.data['environment'].get('device', 'cpu (no CUDA)')}; "
+         f"parts {args.parts}; writing {report.json_path}")
+    fns = {"kernel_accuracy": part_kernel_accuracy, "graph_decode": part_graph_decode,
+           "decode_bandwidth": part_decode_bandwidth,
+           "end_to_end": functools.partial(part_end_to_end, report, args.quick, args.num_requests)}
+    for name in args.parts:
+        # NOTE: the end-to-end part takes whatever time the kernel parts left over.
+        budget = report.seconds_left() if name == "end_to_end" else BUDGETS_S[name]
+        report.run(name, fns[name], budget)
+    _log(f"done: {report.json_path}, {report.blocks_path}")
+    return report.data
+
+
+if __name__ == "__main__":
+    main()
