@@ -109,6 +109,7 @@ class EngineConfig:
     # False: only at the end of a multi-step window (the comparison baseline).
     release_per_step: bool = True
     attention_backend: str = "auto"  # auto | torch | triton | flash-attn
+    enforce_eager: bool = False  # True: no CUDA graphs for decode
     seed: int = 0
     # Waiting-queue bounds; past them add_request raises EngineOverloaded.
     max_waiting_requests: int | None = None
@@ -137,6 +138,7 @@ class EngineConfig:
         _check(isinstance(self.async_output, bool), "async_output", "a boolean", self.async_output)
         _check(isinstance(self.release_per_step, bool), "release_per_step", "a boolean",
                self.release_per_step)
+        _check(isinstance(self.enforce_eager, bool), "enforce_eager", "a boolean", self.enforce_eager)
         _check(self.attention_backend in ("auto", "torch", "triton", "flash-attn"),
                "attention_backend", "one of auto, torch, triton, flash-attn",
                self.attention_backend)

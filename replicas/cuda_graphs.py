@@ -251,7 +251,7 @@ def why_no_decode_graphs(config, device: torch.device, backend: AttentionBackend
     """None when decode steps may run through CUDA graphs, else the reason they may not."""
     if device.type != "cuda":
         return f"device is {device.type}"
-    if getattr(config, "enforce_eager", False):
+    if config.enforce_eager:
         return "enforce_eager is set"
     if backend.name not in GRAPH_BACKENDS:
         return f"attention backend {backend.name!r} is not graph-safe (needs one of {GRAPH_BACKENDS})"
