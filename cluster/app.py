@@ -45,6 +45,10 @@ class AppArgs(BaseModel):
     # Streaming between replica and ingress.
     stream_merge: bool = True
     min_chunk_interval_ms: float = Field(0.0, ge=0.0, le=10_000.0)
+    # Chunk budget per engine replica, shared by its active streams (0: none). Each
+    # chunk costs ~1 ms of CPU across replica, ingress and proxy on a small CPU
+    # machine; 500/s leaves most of it to the engine. 1 stream: no effect.
+    max_chunks_per_s: float = Field(500.0, ge=0.0)
     # Deployments.
     num_engine_replicas: int = Field(1, ge=1)
     engine_num_cpus: float = Field(1.0, ge=0.0)
@@ -130,7 +134,8 @@ def make_app(args: AppArgs, engine_factory: Callable | None = None) -> Applicati
     """The app for validated args; `engine_factory` swaps the engine (tests)."""
     engine = EngineReplica.options(**args.engine_options()).bind(
         args.engine_config_dict(), stream_merge=args.stream_merge,
-        min_chunk_interval_ms=args.min_chunk_interval_ms, engine_factory=engine_factory)
+        min_chunk_interval_ms=args.min_chunk_interval_ms,
+        max_chunks_per_s=args.max_chunks_per_s, engine_factory=engine_factory)
     return Ingress.options(**args.ingress_options()).bind(
         engine, served_model_name=args.name_served, model=args.model,
         api_key=args.api_key, max_body_bytes=args.max_body_bytes)

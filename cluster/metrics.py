@@ -3,9 +3,10 @@
 Created inside the deployments' constructors (metrics need a Ray worker). Names
 are prefixed `stepstream_`; Ray adds its own `ray_` prefix on export.
 
-NOTE: per-chunk observations (ITL, tokens per chunk) run on the hot path; a
-histogram observation costs microseconds, so each is one call per chunk, not per
-token.
+NOTE: a Ray metric record costs tens of microseconds (more than formatting an
+SSE event), so the hot path records one value per event (the ITL) and everything
+else once per request: tokens per event and per replica chunk are per-request
+means.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class IngressMetrics:
             "stepstream_inter_chunk_latency_seconds", "Gap between streamed chunks",
             boundaries=_LATENCY_S, tag_keys=("model",))
         self.tokens_per_event = metrics.Histogram(
-            "stepstream_tokens_per_event", "Output tokens in one SSE event",
+            "stepstream_tokens_per_event", "Mean output tokens per SSE event, per request",
             boundaries=_TOKENS, tag_keys=("model",))
         self.output_tokens = metrics.Counter(
             "stepstream_output_tokens", "Output tokens sent to clients", tag_keys=("model",))
@@ -64,7 +65,8 @@ class ReplicaMetrics:
             "stepstream_replica_chunks", "Chunks streamed from replicas to the ingress",
             tag_keys=("model",))
         self.tokens_per_chunk = metrics.Histogram(
-            "stepstream_replica_tokens_per_chunk", "Tokens in one replica chunk",
+            "stepstream_replica_tokens_per_chunk",
+            "Mean tokens per replica chunk, per request",
             boundaries=_TOKENS, tag_keys=("model",))
         for m in (self.num_running, self.num_waiting, self.kv_cache_usage, self.chunks,
                   self.tokens_per_chunk):

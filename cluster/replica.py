@@ -10,8 +10,11 @@ until Serve has serialized it for sending (a hook in the chunk's `__reduce__`),
 and only then takes the next delta from the engine's collector, which meanwhile
 merged everything the engine produced. The first token leaves at once; at low
 load every token is its own chunk; at high load chunks grow instead of Serve's
-queue. `min_chunk_interval_ms` optionally spaces chunks further; `stream_merge=
-False` sends one chunk per token (the baseline the benchmark compares against).
+queue. Two optional floors space chunks further: `min_chunk_interval_ms` per
+stream, and `max_chunks_per_s`, a chunk budget of the whole replica shared by its
+active streams (each chunk costs CPU in the replica, the ingress and the proxy,
+which on a small machine is CPU the engine loses). `stream_merge=False` sends one
+chunk per token (the baseline the benchmark compares against).
 
 Cancellation. When the ingress cancels the stream (client gone, stop string),
 Serve cancels this method's task: CancelledError arrives at an `await` or at the
@@ -91,7 +94,8 @@ def split_per_token(delta: TokenDelta) -> list[TokenDelta]:
                   health_check_period_s=10, health_check_timeout_s=30)
 class EngineReplica:
     def __init__(self, engine_config: dict, stream_merge: bool = True,
-                 min_chunk_interval_ms: float = 0.0, stats_interval_s: float = 1.0,
+                 min_chunk_interval_ms: float = 0.0, max_chunks_per_s: float = 0.0,
+                 stats_interval_s: float = 1.0,
                  engine_factory: Callable[[Any], Any] | None = None) -> None:
         from replicas.config import EngineConfig
 
@@ -101,8 +105,11 @@ class EngineReplica:
         self._engine = engine_factory(config)
         self._stream_merge = stream_merge
         self._min_chunk_interval_s = max(0.0, min_chunk_interval_ms) / 1000.0
+        self._max_chunks_per_s = max(0.0, max_chunks_per_s)
+        self._num_active_streams = 0
         self._model = config.model
-        self._counts = {"num_streams_started": 0, "num_streams_finished": 0,
+        self._counts = {"num_streams_refused": 0, "num_streams_started": 0,
+                        "num_streams_finished": 0,
                         "num_streams_cancelled": 0, "num_chunks_sent": 0,
                         "num_tokens_sent": 0}
         self._replica_id = _replica_id()
@@ -126,18 +133,30 @@ class EngineReplica:
         queue ReplicaOverloaded, both before the first chunk."""
         request_id, stream = self._open_stream(request)
         interval_ms = request.get("min_chunk_interval_ms")
-        interval_s = self._min_chunk_interval_s if interval_ms is None else interval_ms / 1000.0
-        self._counts["num_streams_started"] += 1
-        finished = False
+        min_interval_s = self._min_chunk_interval_s if interval_ms is None else interval_ms / 1000.0
         try:
             delta = await self._first_delta(stream)
+        except (ReplicaRejected, ReplicaOverloaded):
+            self._counts["num_streams_refused"] += 1
+            await _close_quietly(stream)
+            raise
+        except BaseException:  # cancelled before the first token: closing aborts it
+            await _close_quietly(stream)
+            self._engine.abort(request_id)
+            raise
+        self._counts["num_streams_started"] += 1
+        self._num_active_streams += 1
+        finished = False
+        num_chunks = num_tokens = 0
+        try:
             loop = asyncio.get_running_loop()
             while True:
                 finished = delta.finish_reason is not None
                 if self._stream_merge:
                     sent = loop.create_future()
                     sent_at = time.monotonic()
-                    self._count_chunk(delta)
+                    num_chunks += 1
+                    num_tokens += len(delta.token_ids)
                     yield _Chunk(delta, loop, sent)
                     if finished:
                         break
@@ -145,12 +164,13 @@ class EngineReplica:
                     # whatever arrives until Serve has picked this one up.
                     if not sent.done():
                         await asyncio.wait((sent,), timeout=_SENT_ACK_TIMEOUT_S)
-                    wait_s = sent_at + interval_s - time.monotonic()
+                    wait_s = sent_at + self._chunk_interval_s(min_interval_s) - time.monotonic()
                     if wait_s > 0:
                         await asyncio.sleep(wait_s)
                 else:
                     for one in split_per_token(delta):
-                        self._count_chunk(one)
+                        num_chunks += 1
+                        num_tokens += 1 if one.token_ids else 0
                         yield one
                     if finished:
                         break
@@ -160,12 +180,19 @@ class EngineReplica:
                     finished = True
                     break
         finally:
-            if finished:
-                self._counts["num_streams_finished"] += 1
-            else:
-                self._counts["num_streams_cancelled"] += 1
+            self._num_active_streams -= 1
+            self._count_stream(finished, num_chunks, num_tokens)
+            if not finished:
                 self._engine.abort(request_id)
             await _close_quietly(stream)
+
+    def _chunk_interval_s(self, min_interval_s: float) -> float:
+        """The least time between two chunks of one stream: the request's floor, and
+        this replica's chunk budget shared by its active streams (so at high load
+        chunks grow instead of the CPU time spent per chunk)."""
+        if self._max_chunks_per_s <= 0:
+            return min_interval_s
+        return max(min_interval_s, self._num_active_streams / self._max_chunks_per_s)
 
     # ---- unary methods ----------------------------------------------------------
 
@@ -222,12 +249,16 @@ class EngineReplica:
         except ValueError as e:
             raise ReplicaRejected(str(e)) from None
 
-    def _count_chunk(self, delta: TokenDelta) -> None:
-        self._counts["num_chunks_sent"] += 1
-        self._counts["num_tokens_sent"] += len(delta.token_ids)
-        if self._metrics is not None:
-            self._metrics.chunks.inc()
-            self._metrics.tokens_per_chunk.observe(len(delta.token_ids))
+    def _count_stream(self, finished: bool, num_chunks: int, num_tokens: int) -> None:
+        counts = self._counts
+        counts["num_streams_finished" if finished else "num_streams_cancelled"] += 1
+        counts["num_chunks_sent"] += num_chunks
+        counts["num_tokens_sent"] += num_tokens
+        # NOTE: once per stream, not per chunk: a Ray metric record costs more than
+        # everything else this replica does for a chunk.
+        if self._metrics is not None and num_chunks:
+            self._metrics.chunks.inc(num_chunks)
+            self._metrics.tokens_per_chunk.observe(num_tokens / num_chunks)
 
     def _stats_loop(self, interval_s: float) -> None:
         while not self._stop_stats.wait(interval_s):

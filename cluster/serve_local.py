@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--num-kv-blocks", type=int)
     p.add_argument("--min-chunk-interval-ms", type=float)
+    p.add_argument("--max-chunks-per-s", type=float,
+                   help="chunk budget per engine replica, shared by its streams (0: none)")
     p.add_argument("--num-engine-replicas", type=int)
     p.add_argument("--engine-num-cpus", type=float)
     p.add_argument("--num-threads", type=int, help="torch threads per engine replica")
@@ -69,6 +71,7 @@ def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
              "num_scheduler_steps": ns.num_scheduler_steps, "max_num_seqs": ns.max_num_seqs,
              "max_model_len": ns.max_model_len, "num_kv_blocks": ns.num_kv_blocks,
              "min_chunk_interval_ms": ns.min_chunk_interval_ms,
+             "max_chunks_per_s": ns.max_chunks_per_s,
              "num_engine_replicas": ns.num_engine_replicas,
              "engine_num_cpus": ns.engine_num_cpus, "num_threads": ns.num_threads,
              "api_key": ns.api_key}

@@ -41,27 +41,31 @@ def _logprobs(token_ids, logprobs, top_logprobs, chat: bool, token_text: TokenTe
 
 
 class _Timing:
-    """TTFT, ITL (per event) and TPOT of one stream, into the ingress metrics."""
+    """TTFT, ITL and TPOT of one stream, into the ingress metrics.
 
-    __slots__ = ("metrics", "started_at", "first_at", "last_at")
+    NOTE: one Ray metric record per event (the ITL) and a few per stream: a
+    record costs more than formatting the event itself."""
+
+    __slots__ = ("metrics", "started_at", "first_at", "last_at", "num_events")
 
     def __init__(self, metrics, started_at: float) -> None:
         self.metrics = metrics
         self.started_at = started_at
         self.first_at = 0.0
         self.last_at = 0.0
+        self.num_events = 0
 
-    def event(self, num_tokens: int) -> None:
+    def event(self) -> None:
         if self.metrics is None:
             return
         now = time.monotonic()
-        if self.first_at == 0.0:
+        if self.num_events == 0:
             self.first_at = now
             self.metrics.ttft_s.observe(now - self.started_at)
         else:
             self.metrics.itl_s.observe(now - self.last_at)
         self.last_at = now
-        self.metrics.tokens_per_event.observe(num_tokens)
+        self.num_events += 1
 
     def finish(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
         if self.metrics is None:
@@ -69,7 +73,9 @@ class _Timing:
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         if num_output_tokens:
             self.metrics.output_tokens.inc(num_output_tokens)
-        if num_output_tokens > 1 and self.first_at:
+        if self.num_events:
+            self.metrics.tokens_per_event.observe(num_output_tokens / self.num_events)
+        if num_output_tokens > 1 and self.num_events:
             self.metrics.tpot_s.observe((self.last_at - self.first_at) / (num_output_tokens - 1))
 
 
@@ -89,12 +95,11 @@ async def sse_events(relay: Relay, formatter, chat: bool, token_text: TokenText 
                     logprobs = _logprobs(td.token_ids, td.logprobs, td.top_logprobs, chat,
                                          token_text, text_offset)
                 text_offset += len(td.text)
-                num_new_tokens = td.num_output_tokens - num_output_tokens
                 num_output_tokens = td.num_output_tokens
                 if td.text or td.finish_reason is not None or logprobs is not None:
                     yield formatter.chunk_event(td.text, _finish_reason(td), logprobs,
                                                 td.stop_reason)
-                    timing.event(num_new_tokens)
+                    timing.event()
         if formatter.include_usage:
             yield formatter.usage_event(num_prompt_tokens, num_output_tokens)
         yield DONE_EVENT

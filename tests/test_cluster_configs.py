@@ -1,0 +1,102 @@
+"""Every file in configs/ validates with Ray's own schemas (and our AppArgs)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SERVE_CONFIGS = ["serve.yaml", "serve-gpu.yaml"]
+CLUSTER_CONFIGS = ["cluster.yaml", "cluster-local.yaml"]
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())
+
+
+def test_every_config_file_is_covered():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(SERVE_CONFIGS + CLUSTER_CONFIGS)
+
+
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_serve_config_validates_with_serve_schema_and_app_args(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.app import AppArgs, build_app
+
+    schema = ServeDeploySchema.model_validate(_load(name))
+    (app,) = schema.applications
+    assert app.import_path == "cluster.app:build_app"
+    args = AppArgs.model_validate(app.args)  # unknown keys or bad values would raise
+    build_app(app.args)  # builds the deployments without starting anything
+    assert args.graceful_shutdown_timeout_s >= 600  # streams are long: drain, don't cut
+
+
+def test_gpu_config_uses_one_gpu_per_replica_and_autoscales_1_to_8():
+    from cluster.app import AppArgs
+
+    args = AppArgs.model_validate(_load("serve-gpu.yaml")["applications"][0]["args"])
+    engine = args.engine_options()
+    assert engine["ray_actor_options"]["num_gpus"] == 1
+    assert (engine["autoscaling_config"]["min_replicas"],
+            engine["autoscaling_config"]["max_replicas"]) == (1, 8)
+    assert "target_ongoing_requests" in engine["autoscaling_config"]
+    assert args.num_ingress_replicas > 1
+    assert args.engine_config().device == "cuda" and args.dtype == "bfloat16"
+
+
+def test_local_config_is_cpu_tiny_with_one_replica_each():
+    from cluster.app import AppArgs
+
+    args = AppArgs.model_validate(_load("serve.yaml")["applications"][0]["args"])
+    assert args.model == "tiny" and args.engine_num_gpus == 0
+    assert args.num_engine_replicas == 1 and args.num_ingress_replicas == 1
+    assert args.engine_config().device == "cpu"
+
+
+def test_serve_schema_rejects_a_broken_config():
+    from ray.serve.schema import ServeDeploySchema
+
+    from pydantic import ValidationError
+
+    broken = _load("serve.yaml")
+    broken["applications"][0].pop("import_path")
+    with pytest.raises(ValidationError):
+        ServeDeploySchema.model_validate(broken)
+    broken = _load("serve.yaml")
+    broken["proxy_location"] = "Nowhere"
+    with pytest.raises(ValidationError):
+        ServeDeploySchema.model_validate(broken)
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_cluster_config_validates_with_ray_autoscaler_schema(name):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = _load(name)
+    prepared = prepare_config(copy.deepcopy(raw))  # what `ray up` does before validating
+    validate_config(prepared)
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+def test_cloud_cluster_has_cpu_head_and_gpu_workers():
+    raw = _load("cluster.yaml")
+    types = raw["available_node_types"]
+    head = types[raw["head_node_type"]]
+    assert "--num-gpus=0" in " ".join(raw["head_start_ray_commands"])
+    assert any("g" in t["node_config"]["InstanceType"].split(".")[0] and name != raw["head_node_type"]
+               for name, t in types.items())
+    assert "node_config" in head
+    assert any("[gpu]" in cmd for cmd in raw["setup_commands"])
+
+
+def test_autoscaler_schema_rejects_a_broken_cluster_config():
+    import jsonschema
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    broken = _load("cluster.yaml")
+    broken["available_node_types"]["gpu_worker"]["max_workers"] = "eight"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(prepare_config(broken))

@@ -1,0 +1,264 @@
+"""cluster/ without Ray: request models, SSE formatting, errors, app args, the
+replica's chunk type and the serve_local CLI mapping."""
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.errors import ApiError, ReplicaOverloaded, replica_cause, sse_error_event
+from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                     validation_error_message)
+from cluster.sse import DONE_EVENT, ChatFormatter, CompletionFormatter, completion_logprobs
+from deltas.types import FinishReason, TokenDelta
+
+
+def _parse(cls, body: dict | bytes):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return cls.model_validate_json(raw)
+
+
+def _error(cls, body) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as info:
+        _parse(cls, body)
+    return validation_error_message(info.value)
+
+
+def test_cluster_package_never_imports_torch():
+    import subprocess
+
+    code = ("import sys, cluster.app, cluster.ingress, cluster.replica, cluster.serve_local;"
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_completion_request_accepts_openai_shapes():
+    r = _parse(CompletionRequest, {"model": "tiny", "prompt": "hi"})
+    assert (r.max_tokens, r.n, r.stream, r.stop_strings, r.include_usage) == (16, 1, False, [], False)
+    assert _parse(CompletionRequest, {"model": "m", "prompt": ["one"]}).prompt == "one"
+    assert _parse(CompletionRequest, {"model": "m", "prompt": [[5, 6]]}).prompt == [5, 6]
+    assert _parse(CompletionRequest, {"model": "m", "prompt": [5, 6]}).prompt == [5, 6]
+    r = _parse(CompletionRequest, {"model": "m", "prompt": "x", "stop": "END", "temperature": 0,
+                                   "stream": True, "stream_options": {"include_usage": True}})
+    assert r.stop_strings == ["END"] and r.include_usage and r.temperature == 0.0
+    params = r.sampling_dict(max_tokens=8, logprobs=None)
+    assert params["max_tokens"] == 8 and params["stop_token_ids"] == ()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x"}, "model"),
+    ({"model": "m"}, "prompt"),
+    ({"model": "m", "prompt": 5}, "prompt"),
+    ({"model": "m", "prompt": ""}, "prompt"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": "x", "max_tokens": "10"}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": "m", "prompt": "x", "n": 2}, "n"),
+    ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
+    ({"model": "m", "prompt": "x", "stop": ["s"] * 17}, "stop"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "m", "prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"model": "m", "prompt": "x", "stream_options": {"bogus": 1}}, "stream_options.bogus"),
+])
+def test_completion_request_rejects_with_param(body, param):
+    message, got = _error(CompletionRequest, body)
+    assert got == param, message
+    assert message
+
+
+def test_invalid_json_nan_and_non_objects_are_rejected():
+    assert _error(CompletionRequest, b'{"model": ')[0].startswith("Invalid JSON")
+    assert _error(CompletionRequest, b'{"model":"m","prompt":"x","temperature":NaN}')[1] == \
+        "temperature"
+    assert _error(CompletionRequest, b'[1, 2]')[0] == "The request body must be a JSON object"
+    assert _error(CompletionRequest, b"[" * 1000 + b"]" * 1000)[0].startswith("Invalid JSON")
+
+
+def test_chat_request_fields():
+    r = _parse(ChatCompletionRequest, {
+        "model": "m", "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3,
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}]})
+    assert r.requested_max_tokens == 7 and r.num_logprobs == 3
+    assert r.template_messages() == [{"role": "system", "content": "be brief"},
+                                     {"role": "user", "content": "ab"}]
+    assert _parse(ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "user", "content": "x"}]}).requested_max_tokens is None
+    assert _error(ChatCompletionRequest, {"model": "m", "messages": []})[1] == "messages"
+    assert _error(ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "wizard", "content": "x"}]})[1] == "messages.0.role"
+
+
+def test_completion_chunks_are_openai_shaped():
+    fmt = CompletionFormatter("cmpl-1", "tiny", 123, include_usage=True)
+    event = fmt.chunk_event('he said "hi"\n')
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    obj = json.loads(event[6:])
+    assert obj == {"id": "cmpl-1", "object": "text_completion", "created": 123, "model": "tiny",
+                   "choices": [{"index": 0, "text": 'he said "hi"\n', "logprobs": None,
+                                "finish_reason": None}], "usage": None}
+    last = json.loads(fmt.chunk_event("", "stop", None, "END")[6:])
+    assert last["choices"][0]["finish_reason"] == "stop"
+    assert last["choices"][0]["stop_reason"] == "END"
+    usage = json.loads(fmt.usage_event(3, 5)[6:])
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert DONE_EVENT == b"data: [DONE]\n\n"
+    no_usage = json.loads(CompletionFormatter("c", "m", 1).chunk_event("x")[6:])
+    assert "usage" not in no_usage
+
+
+def test_chat_chunks_carry_role_first_then_content_then_empty_delta():
+    fmt = ChatFormatter("chatcmpl-1", "tiny", 5)
+    first = json.loads(fmt.chunk_event("Hel")[6:])
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    assert json.loads(fmt.chunk_event("lo")[6:])["choices"][0]["delta"] == {"content": "lo"}
+    last = json.loads(fmt.chunk_event("", "length")[6:])["choices"][0]
+    assert last["delta"] == {} and last["finish_reason"] == "length"
+    body = fmt.response("Hello", "stop", None, None, 4, 2)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+    assert body["usage"]["total_tokens"] == 6 and body["object"] == "chat.completion"
+
+
+def test_completion_logprobs_offsets():
+    lp = completion_logprobs([1, 2], [-0.1, -0.2], [[(1, -0.1)], [(2, -0.2)]],
+                             {1: "ab", 2: "c"}.__getitem__, text_offset=10)
+    assert lp == {"tokens": ["ab", "c"], "token_logprobs": [-0.1, -0.2],
+                  "top_logprobs": [{"ab": -0.1}, {"c": -0.2}], "text_offset": [10, 12]}
+
+
+def test_errors_have_openai_shape_and_retry_after():
+    err = ApiError(429, "busy", code="rate_limit_exceeded", retry_after_s=0.2)
+    resp = err.response()
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+    body = json.loads(resp.body)
+    assert body == {"error": {"message": "busy", "type": "rate_limit_error", "param": None,
+                              "code": "rate_limit_exceeded"}}
+    assert ApiError(400, "x", param="p").headers() is None
+    event = sse_error_event(ApiError(500, "boom"))
+    assert json.loads(event[6:])["error"]["type"] == "server_error"
+    assert b"[DONE]" not in event
+
+
+def test_replica_errors_pickle_and_unwrap():
+    err = pickle.loads(pickle.dumps(ReplicaOverloaded("full", 2.5)))
+    assert (err.message, err.retry_after_s) == ("full", 2.5)
+
+    class Wrapped(Exception):
+        cause = err
+
+    assert replica_cause(Wrapped()) is err
+    plain = ValueError("x")
+    assert replica_cause(plain) is plain
+
+
+def test_relay_maps_replica_errors_to_http():
+    from cluster.errors import ReplicaRejected
+    from cluster.relay import replica_error
+
+    e = replica_error(ReplicaOverloaded("queue full", 3.0))
+    assert e.status == 429 and e.headers() == {"Retry-After": "3"}
+    assert replica_error(ReplicaRejected("token id 9 out of range")).status == 400
+    assert replica_error(RuntimeError("actor died")).status == 503
+
+
+def test_chunk_pickles_as_token_delta_and_signals_sent():
+    import asyncio
+
+    from cluster.replica import _Chunk
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        sent = loop.create_future()
+        delta = TokenDelta("r", [1, 2], finish_reason=FinishReason.STOP, stop_reason=3,
+                           num_prompt_tokens=4, num_output_tokens=2)
+        data = pickle.dumps(_Chunk(delta, loop, sent))
+        await asyncio.wait_for(sent, 1.0)
+        return pickle.loads(data)
+
+    out = asyncio.run(run())
+    assert type(out) is TokenDelta
+    assert (out.token_ids, out.finish_reason, out.stop_reason, out.num_output_tokens) == \
+        ([1, 2], FinishReason.STOP, 3, 2)
+
+
+def test_split_per_token_keeps_counts_and_finish_on_last():
+    from cluster.replica import split_per_token
+
+    delta = TokenDelta("r", [7, 8, 9], logprobs=[-1.0, -2.0, -3.0],
+                       finish_reason=FinishReason.LENGTH, num_prompt_tokens=5,
+                       num_output_tokens=10)
+    parts = split_per_token(delta)
+    assert [p.token_ids for p in parts] == [[7], [8], [9]]
+    assert [p.num_output_tokens for p in parts] == [8, 9, 10]
+    assert [p.logprobs for p in parts] == [[-1.0], [-2.0], [-3.0]]
+    assert [p.finish_reason for p in parts] == [None, None, FinishReason.LENGTH]
+
+
+def test_app_args_map_onto_engine_config_and_deployment_options():
+    from cluster.app import AppArgs
+
+    args = AppArgs.model_validate({"model": "tiny", "max_num_seqs": 32,
+                                   "max_waiting_requests": 100, "engine_num_gpus": 1,
+                                   "num_scheduler_steps": 4, "release_per_step": False})
+    cfg = args.engine_config()
+    assert (cfg.max_num_seqs, cfg.num_scheduler_steps, cfg.release_per_step, cfg.device) == \
+        (32, 4, False, "cuda")
+    engine = args.engine_options()
+    assert engine["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
+    assert engine["max_ongoing_requests"] >= 32 + 100
+    assert engine["num_replicas"] == 1
+    assert args.ingress_options()["max_ongoing_requests"] >= 1000
+    scaled = AppArgs.model_validate({"autoscaling": {"min_replicas": 1, "max_replicas": 8}})
+    assert "num_replicas" not in scaled.engine_options()
+    assert scaled.engine_options()["autoscaling_config"]["max_replicas"] == 8
+    for bad in ({"block_size": 3}, {"num_scheduler_steps": 0}, {"typo_field": 1},
+                {"autoscaling": {"max_replicas": 2}, "num_engine_replicas": 2}):
+        with pytest.raises(ValidationError):
+            AppArgs.model_validate(bad)
+
+
+def test_build_app_returns_a_serve_application():
+    from ray.serve import Application
+
+    from cluster.app import build_app
+
+    assert isinstance(build_app({"model": "tiny", "num_engine_replicas": 2}), Application)
+
+
+def test_context_check_says_the_limits():
+    from cluster.ingress import _check_context
+
+    assert _check_context(10, None, 100) == 90
+    assert _check_context(10, 90, 100) == 90
+    with pytest.raises(ApiError) as info:
+        _check_context(10, 91, 100)
+    assert info.value.status == 400 and "100" in info.value.message and "101" in info.value.message
+    with pytest.raises(ApiError) as info:
+        _check_context(100, 1, 100)
+    assert info.value.param == "prompt"
+
+
+def test_serve_local_flags_override_config(tmp_path):
+    from cluster.serve_local import app_args, curl_line, parse_args
+
+    args, host, port = app_args(parse_args([
+        "--model", "tiny", "--port", "9001", "--num-scheduler-steps", "4",
+        "--release-per-window", "--no-stream-merge", "--no-async-output",
+        "--max-num-seqs", "8", "--num-engine-replicas", "2", "--num-cpus", "4"]))
+    assert (host, port) == ("127.0.0.1", 9001)
+    assert args == {"model": "tiny", "num_scheduler_steps": 4, "max_num_seqs": 8,
+                    "num_engine_replicas": 2, "release_per_step": False,
+                    "stream_merge": False, "async_output": False}
+    args, host, port = app_args(parse_args(["--config", "configs/serve.yaml",
+                                            "--max-num-seqs", "3"]))
+    assert args["model"] == "tiny" and args["max_num_seqs"] == 3 and port == 8000
+    line = curl_line("http://127.0.0.1:8000", "tiny", has_key=False)
+    assert line.startswith("curl -N http://127.0.0.1:8000/v1/completions") and '"stream": true' in line

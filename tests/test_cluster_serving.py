@@ -1,0 +1,342 @@
+"""The whole path on a real local Ray: OpenAI client -> Serve proxy -> Ingress ->
+two EngineReplicas (the `tiny` preset on CPU) and back, compared with the offline
+engine. One app for the module; Serve and Ray always shut down afterwards."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from cluster_support import engine_handle, serve_app, wait_until
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+
+MODEL = "tiny"
+ENGINE_ARGS = {"max_num_seqs": 64, "num_kv_blocks": 1024, "num_scheduler_steps": 4,
+               "max_model_len": 2048}
+API_KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+APP_ARGS = {"model": MODEL, "num_engine_replicas": 2, "engine_num_cpus": 1,
+            "ingress_num_cpus": 0.5, "num_threads": 1, "api_key": API_KEY, **ENGINE_ARGS}
+PROMPT = "Once upon a time there was a little"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_app(APP_ARGS, num_cpus=4) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    with OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from replicas import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=MODEL, **ENGINE_ARGS))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from deltas.tokenizer import Tokenizer
+    from replicas.presets import resolve_tokenizer_dir
+
+    return Tokenizer.from_dir(resolve_tokenizer_dir(MODEL))
+
+
+def reference(offline, tokenizer, prompt_ids: list[list[int]], **params):
+    """(text, token_ids) per prompt from the offline engine."""
+    from replicas import SamplingParams
+
+    outs = offline.generate(prompt_ids, SamplingParams(**params))
+    return [(tokenizer.decode(o.token_ids), list(o.token_ids)) for o in outs]
+
+
+def all_replica_stats(num_replicas: int = 2) -> dict[str, dict]:
+    """The latest stats of every replica (calls land on a random one; keep asking)."""
+    handle = engine_handle()
+    seen: dict[str, dict] = {}
+    for _ in range(60):
+        s = handle.stats.remote().result(timeout_s=30)
+        seen[s["replica_id"]] = s
+        if len(seen) >= num_replicas:
+            break
+    return seen
+
+
+def engines_idle() -> bool:
+    stats = all_replica_stats()
+    return len(stats) == 2 and all(
+        s["num_running"] == 0 and s["num_waiting"] == 0
+        and s["num_free_blocks"] == s["num_total_blocks"] for s in stats.values())
+
+
+def test_health_and_models(server):
+    assert httpx.get(server + "/health").json() == {"status": "ok"}  # no key needed
+    models = httpx.get(server + "/v1/models", headers=AUTH).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+
+
+def test_completion_stream_and_non_stream_equal_offline(client, offline, tokenizer):
+    prompt_ids = tokenizer.encode(PROMPT)
+    (ref_text, ref_ids), = reference(offline, tokenizer, [prompt_ids], temperature=0.0,
+                                     max_tokens=24)
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert full.choices[0].text == ref_text
+    assert full.usage.prompt_tokens == len(prompt_ids)
+    assert full.usage.completion_tokens == len(ref_ids)
+    assert full.usage.total_tokens == len(prompt_ids) + len(ref_ids)
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ref_text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)  # include_usage not asked for
+
+
+def test_same_seed_same_text_as_offline(client, offline, tokenizer):
+    prompt_ids = tokenizer.encode(PROMPT)
+    (ref_text, _), = reference(offline, tokenizer, [prompt_ids], temperature=1.0, seed=1234,
+                               max_tokens=20)
+    texts = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20,
+                                       temperature=1.0, seed=1234).choices[0].text
+             for _ in range(2)]
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20,
+                                       temperature=1.0, seed=1234, stream=True)
+    texts.append("".join(c.choices[0].text for c in stream))
+    assert texts == [ref_text] * 3
+    other = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20,
+                                      temperature=1.0, seed=99).choices[0].text
+    assert other != ref_text  # the seed matters (20 sampled tokens of 8k)
+
+
+def test_chat_stream_with_include_usage_equals_non_stream_and_offline(client, offline,
+                                                                      tokenizer):
+    messages = [{"role": "system", "content": "You tell stories."},
+                {"role": "user", "content": "A story about a fox, please."}]
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages),
+                                  add_special_tokens=False)
+    (ref_text, ref_ids), = reference(offline, tokenizer, [prompt_ids], temperature=0.0,
+                                     max_tokens=16)
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                          temperature=0)
+    assert full.choices[0].message.content == ref_text
+    assert full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref_text
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == []
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == \
+        (len(prompt_ids), len(ref_ids))
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_logprobs_one_per_token(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                    logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens == 6
+    assert all(v <= 0.0 for v in lp.token_logprobs)
+    assert all(len(top) >= 1 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == 4
+
+
+def test_64_concurrent_streams_each_equal_offline(server, offline, tokenizer):
+    from openai import AsyncOpenAI
+
+    prompts = [f"Story number {i}: the {['cat', 'dog', 'owl', 'fox'][i % 4]} went to"
+               for i in range(64)]
+    refs = reference(offline, tokenizer, [tokenizer.encode(p) for p in prompts],
+                     temperature=0.0, max_tokens=32)
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=32,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True})
+        parts, usage = [], None
+        async for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].text)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return "".join(parts), usage.completion_tokens
+
+    async def run_all():
+        async with AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0,
+                               timeout=300) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(run_all())
+    assert [text for text, _ in results] == [text for text, _ in refs]
+    assert [n for _, n in results] == [len(ids) for _, ids in refs]
+
+
+def test_two_engine_replicas_share_load(server):
+    before = {rid: s["num_streams_started"] for rid, s in all_replica_stats().items()}
+    assert len(before) == 2
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 48, "temperature": 0}
+            return await asyncio.gather(*(c.post(server + "/v1/completions", json=body)
+                                          for _ in range(24)))
+
+    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+    after = {rid: s["num_streams_started"] for rid, s in all_replica_stats().items()}
+    served = {rid: after[rid] - before.get(rid, 0) for rid in after}
+    assert sum(served.values()) == 24
+    assert all(n > 0 for n in served.values()), served
+
+
+def test_client_disconnect_aborts_on_replica_and_frees_blocks(server):
+    assert wait_until(engines_idle, timeout_s=30)
+    cancelled_before = sum(s["num_streams_cancelled"] for s in all_replica_stats().values())
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1900, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60, headers=AUTH) as c:
+        with c.stream("POST", server + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            num_events = 0
+            while num_events < 5:
+                if next(lines).startswith("data: "):
+                    num_events += 1
+            assert any(s["num_running"] == 1 for s in all_replica_stats().values())
+            disconnected_at = time.monotonic()
+    # Closing the response closed the connection mid-stream.
+    assert wait_until(engines_idle, timeout_s=30), all_replica_stats()
+    freed_after_s = time.monotonic() - disconnected_at
+    stats = all_replica_stats()
+    assert sum(s["num_streams_cancelled"] for s in stats.values()) == cancelled_before + 1
+    # 1900 tokens would take far longer than this at the tiny model's pace.
+    assert sum(s["num_tokens_sent"] for s in stats.values()) > 0
+    print(f"disconnect -> request aborted and blocks free after {freed_after_s * 1000:.0f} ms")
+
+
+def test_stop_string_across_tokens_cuts_text_and_stops_replica(client, offline, tokenizer):
+    prompt_ids = tokenizer.encode(PROMPT)
+    (text, ids), = reference(offline, tokenizer, [prompt_ids], temperature=0.0, max_tokens=40,
+                             ignore_eos=True)
+    # A stop string that spans the boundary between two tokens of the greedy output.
+    for k in range(3, 30):
+        head = tokenizer.decode(ids[:k])
+        left, right = head[-2:], text[len(head):len(head) + 2]
+        stop = left + right
+        if len(left) == 2 and len(right) == 2 and stop.strip() and text.find(stop) == len(head) - 2:
+            break
+    else:
+        pytest.skip("no token boundary with 2+2 printable characters in this output")
+    cancelled_before = sum(s["num_streams_cancelled"] for s in all_replica_stats().values())
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].text == text[:text.find(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == k + 1  # up to the token that completed the stop
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500,
+                                         temperature=0, stop=[stop], stream=True,
+                                         extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == text[:text.find(stop)]
+    # The replica stopped generating: both requests were aborted, nothing is running.
+    assert wait_until(engines_idle, timeout_s=30)
+    stats = all_replica_stats()
+    assert sum(s["num_streams_cancelled"] for s in stats.values()) == cancelled_before + 2
+
+
+LONG_PROMPT_IDS = [100] * 2100  # > max_model_len (2048)
+
+BAD_REQUESTS = [
+    # (path, body (dict or raw bytes), status, param)
+    ("/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 1000}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "whatever": 1}, 400, "whatever"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT_IDS}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("/v1/completions", b"[1, 2, 3]", 400, None),
+    ("/v1/completions", b"", 400, None),
+    ("/v1/completions", b'{"model":"tiny","prompt":"x","temperature":NaN}', 400, "temperature"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x", "content": "y"}]},
+     400, "messages.0.role"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/nowhere", {"model": MODEL}, 404, None),
+]
+
+
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client):
+    with httpx.Client(timeout=60, headers=AUTH) as c:
+        for path, body, status, param in BAD_REQUESTS:
+            kwargs = {"content": body, "headers": {"content-type": "application/json"}} \
+                if isinstance(body, bytes) else {"json": body}
+            r = c.post(server + path, **kwargs)
+            assert r.status_code == status, (path, body if isinstance(body, bytes) else
+                                             json.dumps(body)[:80], r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, r.text
+            assert error["message"] and "Traceback" not in r.text
+            assert error["param"] == param, r.text
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT_IDS},
+                   headers=AUTH)
+    assert "2048" in r.json()["error"]["message"] and "2100" in r.json()["error"]["message"]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4
+
+
+def test_api_key_required_everywhere_but_health(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                    {"Authorization": f"Basic {API_KEY}"}):
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                             ("GET", "/v1/models"), ("GET", "/v1/unknown"), ("GET", "/")):
+            r = httpx.request(method, server + path, json=body, headers=headers)
+            assert r.status_code == 401, (method, path, headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert API_KEY not in r.text
+    assert httpx.get(server + "/health").status_code == 200
+    assert httpx.post(server + "/v1/completions", json=body, headers=AUTH).status_code == 200
+
+
+def test_metrics_are_exported_for_prometheus(server):
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    wanted = ["stepstream_requests", "stepstream_time_to_first_token_seconds",
+              "stepstream_inter_chunk_latency_seconds", "stepstream_time_per_output_token_seconds",
+              "stepstream_num_requests_running", "stepstream_num_requests_waiting",
+              "stepstream_kv_cache_usage", "stepstream_replica_chunks",
+              "stepstream_replica_tokens_per_chunk", "stepstream_tokens_per_event"]
+
+    def missing():
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return wanted
+        return [name for name in wanted if name not in text]
+
+    assert wait_until(lambda: not missing(), timeout_s=60, interval_s=2), missing()
