@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 from cluster.errors import (ApiError, ReplicaOverloaded, ReplicaRejected, bad_request,
                             replica_cause)
+from cluster.wire import decode_delta
 from deltas.collector import DeltaCollector
 from deltas.types import FinishReason, TextDelta, TokenDelta
 
@@ -34,7 +35,7 @@ async def open_replica_stream(stream_handle, request: dict) -> tuple[Any, TokenD
     before any header is sent."""
     gen = stream_handle.generate.remote(request)
     try:
-        first = await gen.__anext__()
+        first = decode_delta(request["request_id"], await gen.__anext__())
     except BaseException as e:
         gen.cancel()
         if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)):
@@ -98,7 +99,8 @@ class Relay:
 
     async def _pump(self, collector: DeltaCollector) -> None:
         try:
-            async for delta in self._gen:
+            async for item in self._gen:
+                delta = decode_delta(self.request_id, item)
                 collector.put(delta)
                 if delta.finish_reason is not None:
                     return

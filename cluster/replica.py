@@ -3,18 +3,17 @@
 Token ids in, token deltas out. The engine (and torch) is imported inside the
 constructor, so this module loads on CPU-only nodes.
 
-Chunking. Ray Serve pays a fixed cost per streamed chunk, and a replica's yields
-never block: Serve queues every chunk and sends them one by one. So the stream of
-one request keeps at most ONE chunk in flight: after yielding a chunk it waits
-until Serve has serialized it for sending (a hook in the chunk's `__reduce__`),
-and only then takes the next delta from the engine's collector, which meanwhile
-merged everything the engine produced. The first token leaves at once; at low
-load every token is its own chunk; at high load chunks grow instead of Serve's
-queue. Two optional floors space chunks further: `min_chunk_interval_ms` per
-stream, and `max_chunks_per_s`, a chunk budget of the whole replica shared by its
-active streams (each chunk costs CPU in the replica, the ingress and the proxy,
-which on a small machine is CPU the engine loses). `stream_merge=False` sends one
-chunk per token (the baseline the benchmark compares against).
+Chunking. Ray Serve pays a fixed cost per streamed chunk (in this replica, the
+ingress and the proxy), and a replica's yields never block: Serve queues every
+chunk and sends them one by one. So a stream sends, after its first token (at
+once), one chunk per `get` from the engine's per-request collector, which merges
+everything the engine produced since the last one; and a chunk budget per
+replica, `max_chunks_per_s`, shared by its active streams, spaces each stream's
+chunks: at 1 stream every token is its own chunk, at 200 streams chunks grow
+instead of the CPU the hops take from the engine. `min_chunk_interval_ms` is a
+floor per stream. Chunks are plain lists (cluster/wire.py), which Ray packs
+with msgpack alone. `stream_merge=False` sends one chunk per token (the baseline
+the benchmark compares against).
 
 Cancellation. When the ingress cancels the stream (client gone, stop string),
 Serve cancels this method's task: CancelledError arrives at an `await` or at the
@@ -32,41 +31,10 @@ from typing import Any, Callable
 from ray import serve
 
 from cluster.errors import ReplicaOverloaded, ReplicaRejected
+from cluster.wire import encode_delta
 from deltas.types import TokenDelta
 
 logger = logging.getLogger("ray.serve")
-
-# NOTE: a safety net, not a pacing knob: if Serve ever sends a chunk without
-# pickling it (local testing mode), the stream still moves on after this long.
-_SENT_ACK_TIMEOUT_S = 1.0
-
-
-def _set_done(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-class _Chunk:
-    """A TokenDelta in transit. Pickles as a plain TokenDelta, and tells the
-    stream that it has been picked up for sending."""
-
-    __slots__ = ("delta", "_loop", "_sent")
-
-    def __init__(self, delta: TokenDelta, loop: asyncio.AbstractEventLoop,
-                 sent: asyncio.Future) -> None:
-        self.delta = delta
-        self._loop = loop
-        self._sent = sent
-
-    def __reduce__(self):
-        try:
-            self._loop.call_soon_threadsafe(_set_done, self._sent)
-        except RuntimeError:  # the loop is closed: the stream is gone anyway
-            pass
-        d = self.delta
-        return (TokenDelta, (d.request_id, d.token_ids, d.logprobs, d.top_logprobs,
-                             d.finish_reason, d.stop_reason, d.num_prompt_tokens,
-                             d.num_output_tokens, d.error))
 
 
 def split_per_token(delta: TokenDelta) -> list[TokenDelta]:
@@ -128,9 +96,10 @@ class EngineReplica:
     # ---- Serve streaming method -------------------------------------------------
 
     async def generate(self, request: dict):
-        """Stream TokenDeltas for {request_id, prompt_token_ids, sampling_params,
-        [min_chunk_interval_ms]}. Bad input raises ReplicaRejected and a full engine
-        queue ReplicaOverloaded, both before the first chunk."""
+        """Stream TokenDeltas (as `cluster.wire` lists) for {request_id,
+        prompt_token_ids, sampling_params, [min_chunk_interval_ms]}. Bad input raises
+        ReplicaRejected and a full engine queue ReplicaOverloaded, both before the
+        first chunk."""
         request_id, stream = self._open_stream(request)
         interval_ms = request.get("min_chunk_interval_ms")
         min_interval_s = self._min_chunk_interval_s if interval_ms is None else interval_ms / 1000.0
@@ -149,21 +118,16 @@ class EngineReplica:
         finished = False
         num_chunks = num_tokens = 0
         try:
-            loop = asyncio.get_running_loop()
             while True:
                 finished = delta.finish_reason is not None
                 if self._stream_merge:
-                    sent = loop.create_future()
                     sent_at = time.monotonic()
                     num_chunks += 1
                     num_tokens += len(delta.token_ids)
-                    yield _Chunk(delta, loop, sent)
+                    yield encode_delta(delta)
                     if finished:
                         break
-                    # One chunk in flight per stream: the engine's collector merges
-                    # whatever arrives until Serve has picked this one up.
-                    if not sent.done():
-                        await asyncio.wait((sent,), timeout=_SENT_ACK_TIMEOUT_S)
+                    # Meanwhile the engine's collector merges what the engine makes.
                     wait_s = sent_at + self._chunk_interval_s(min_interval_s) - time.monotonic()
                     if wait_s > 0:
                         await asyncio.sleep(wait_s)
@@ -171,7 +135,7 @@ class EngineReplica:
                     for one in split_per_token(delta):
                         num_chunks += 1
                         num_tokens += 1 if one.token_ids else 0
-                        yield one
+                        yield encode_delta(one)
                     if finished:
                         break
                 try:

@@ -169,24 +169,22 @@ def test_relay_maps_replica_errors_to_http():
     assert replica_error(RuntimeError("actor died")).status == 503
 
 
-def test_chunk_pickles_as_token_delta_and_signals_sent():
-    import asyncio
+def test_wire_format_round_trips_and_packs_without_pickle():
+    from ray._private.serialization import SerializationContext
+    from ray._private.worker import global_worker
 
-    from cluster.replica import _Chunk
+    from cluster.wire import decode_delta, encode_delta
 
-    async def run():
-        loop = asyncio.get_running_loop()
-        sent = loop.create_future()
-        delta = TokenDelta("r", [1, 2], finish_reason=FinishReason.STOP, stop_reason=3,
-                           num_prompt_tokens=4, num_output_tokens=2)
-        data = pickle.dumps(_Chunk(delta, loop, sent))
-        await asyncio.wait_for(sent, 1.0)
-        return pickle.loads(data)
-
-    out = asyncio.run(run())
-    assert type(out) is TokenDelta
-    assert (out.token_ids, out.finish_reason, out.stop_reason, out.num_output_tokens) == \
-        ([1, 2], FinishReason.STOP, 3, 2)
+    delta = TokenDelta("r", [1, 2], logprobs=[-0.1, -0.2], top_logprobs=[[(1, -0.1)], [(2, -0.2)]],
+                       finish_reason=FinishReason.STOP, stop_reason=3, num_prompt_tokens=4,
+                       num_output_tokens=2)
+    item = encode_delta(delta)
+    assert decode_delta("r", item) == delta
+    plain = TokenDelta("r", [7], num_output_tokens=1)
+    assert decode_delta("r", encode_delta(plain)) == plain
+    # msgpack alone ("XLANG"), not the cloudpickle fallback ("PYTHON").
+    ctx = SerializationContext(global_worker)
+    assert ctx.serialize(item).metadata == b"XLANG"
 
 
 def test_split_per_token_keeps_counts_and_finish_on_last():
