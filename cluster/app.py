@@ -58,12 +58,27 @@ class AppArgs(BaseModel):
     ingress_num_cpus: float = Field(0.5, ge=0.0)
     ingress_max_ongoing_requests: int = Field(1000, ge=1)
     engine_max_ongoing_requests: int | None = Field(None, ge=1)
+    # Bounds on what Serve queues in front of a busy deployment (past them its own
+    # 503): memory stays bounded under any burst. -1: unbounded (Serve's default).
+    ingress_max_queued_requests: int = Field(1000, ge=-1)
+    engine_max_queued_requests: int = Field(1000, ge=-1)
     health_check_period_s: float = Field(10.0, gt=0.0)
     health_check_timeout_s: float = Field(30.0, gt=0.0)
+    # The engine is unhealthy when it made no progress this long with work queued.
+    stall_timeout_s: float = Field(60.0, gt=0.0)
     # Streams are long: replicas being replaced drain this long before being killed.
+    # Keep it >= request_timeout_s (the longest stream we allow).
     graceful_shutdown_timeout_s: float = Field(600.0, ge=0.0)
+    # A request still generating this long after its first token ends with a 504
+    # error (an SSE error event once streaming) and is aborted. None: no limit.
+    request_timeout_s: float | None = Field(None, gt=0.0)
+    # Test-only: lets EngineReplica.inject_fault break the engine (cluster/faults.py).
+    enable_fault_injection: bool = False
     # HTTP.
-    api_key: str | None = None  # also env STEPSTREAM_API_KEY
+    # Also env STEPSTREAM_API_KEY. NOTE: repr=False: the key never reaches a log.
+    api_key: str | None = Field(None, repr=False)
+    # Or only its SHA-256 (hex): the key itself then appears in no config.
+    api_key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
 
     @model_validator(mode="after")
@@ -71,6 +86,12 @@ class AppArgs(BaseModel):
         self.engine_config()  # raises ValueError naming the bad field
         if self.autoscaling is not None and self.num_engine_replicas != 1:
             raise ValueError("set either autoscaling or num_engine_replicas, not both")
+        if self.api_key and self.api_key_sha256:
+            raise ValueError("set either api_key or api_key_sha256, not both")
+        if (self.request_timeout_s is not None
+                and self.graceful_shutdown_timeout_s < self.request_timeout_s):
+            raise ValueError("graceful_shutdown_timeout_s must be >= request_timeout_s, or a "
+                             "redeploy cuts streams that are still allowed to run")
         return self
 
     @property
@@ -108,6 +129,7 @@ class AppArgs(BaseModel):
         if self.engine_num_gpus:
             actor["num_gpus"] = self.engine_num_gpus
         options = {"ray_actor_options": actor, "max_ongoing_requests": max_ongoing,
+                   "max_queued_requests": self.engine_max_queued_requests,
                    "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
                    "health_check_period_s": self.health_check_period_s,
                    "health_check_timeout_s": self.health_check_timeout_s}
@@ -121,6 +143,7 @@ class AppArgs(BaseModel):
         return {"num_replicas": self.num_ingress_replicas,
                 "ray_actor_options": {"num_cpus": self.ingress_num_cpus},
                 "max_ongoing_requests": self.ingress_max_ongoing_requests,
+                "max_queued_requests": self.ingress_max_queued_requests,
                 "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
 
 
@@ -135,7 +158,9 @@ def make_app(args: AppArgs, engine_factory: Callable | None = None) -> Applicati
     engine = EngineReplica.options(**args.engine_options()).bind(
         args.engine_config_dict(), stream_merge=args.stream_merge,
         min_chunk_interval_ms=args.min_chunk_interval_ms,
-        max_chunks_per_s=args.max_chunks_per_s, engine_factory=engine_factory)
+        max_chunks_per_s=args.max_chunks_per_s, stall_timeout_s=args.stall_timeout_s,
+        enable_fault_injection=args.enable_fault_injection, engine_factory=engine_factory)
     return Ingress.options(**args.ingress_options()).bind(
         engine, served_model_name=args.name_served, model=args.model,
-        api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        api_key=args.api_key, api_key_sha256=args.api_key_sha256,
+        max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s)

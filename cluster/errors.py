@@ -4,9 +4,9 @@ Every error a client sees is `{"error": {"message", "type", "param", "code"}}` w
 a 4xx/5xx status, never a traceback. `ApiError` is raised anywhere in the ingress
 and rendered once by the exception handlers in `cluster/ingress.py`.
 
-The replica raises `ReplicaOverloaded` / `ReplicaRejected` instead of the engine's
-own exception classes, so the ingress can recognise them without importing the
-engine (and torch). Both pickle with plain arguments because Ray ships them back
+The replica raises `ReplicaOverloaded` / `ReplicaRejected` / `ReplicaUnavailable`
+instead of the engine's own exception classes, so the ingress can recognise them
+without importing the engine (and torch). They pickle with plain arguments because Ray ships them back
 wrapped in a `RayTaskError`.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ _TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -82,6 +83,14 @@ class ReplicaOverloaded(Exception):
 
 class ReplicaRejected(Exception):
     """The engine refused the request's input (a ValueError); the ingress answers 400."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ReplicaUnavailable(Exception):
+    """The replica's engine died or stalled; the ingress answers 503 (retry later)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

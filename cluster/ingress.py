@@ -76,6 +76,15 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+def _key_digest(api_key: str | None, api_key_sha256: str | None) -> bytes | None:
+    """The expected digest: from the key (argument, else env STEPSTREAM_API_KEY), or
+    its SHA-256 given as hex. None: no key, every route is open."""
+    if api_key_sha256:
+        return bytes.fromhex(api_key_sha256)
+    api_key = api_key or os.environ.get("STEPSTREAM_API_KEY") or None
+    return _digest(api_key) if api_key else None
+
+
 def _is_authorized(request: Request) -> bool:
     expected = getattr(request.app.state, "api_key_digest", None)
     if not expected:
@@ -157,7 +166,8 @@ def _sampling_params(fields: dict, vocab_size: int) -> dict:
 class Ingress:
     def __init__(self, engine, served_model_name: str, model: str,
                  api_key: str | None = None, min_chunk_interval_ms: float | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key_sha256: str | None = None,
+                 request_timeout_s: float | None = None) -> None:
         from deltas.tokenizer import Tokenizer
         from replicas.presets import resolve_tokenizer_dir
 
@@ -168,11 +178,11 @@ class Ingress:
         self._tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(model))
         self._min_chunk_interval_ms = min_chunk_interval_ms
         self._max_body_bytes = max_body_bytes
+        self._request_timeout_s = request_timeout_s
         self._model_info: dict | None = None
         self._created = int(time.time())
         self._background: set[asyncio.Task] = set()
-        api_key = api_key or os.environ.get("STEPSTREAM_API_KEY") or None
-        app.state.api_key_digest = _digest(api_key) if api_key else None
+        app.state.api_key_digest = _key_digest(api_key, api_key_sha256)
         self._metrics = None
         try:
             from cluster.metrics import IngressMetrics
@@ -246,7 +256,8 @@ class Ingress:
         text_stream = TextStream(self._tokenizer, stop=req.stop_strings,
                                  include_stop_str_in_output=req.include_stop_str_in_output,
                                  skip_special_tokens=req.skip_special_tokens)
-        relay = Relay(request_id, gen, first, text_stream, self._abort_on_replica)
+        relay = Relay(request_id, gen, first, text_stream, self._abort_on_replica,
+                      timeout_s=self._request_timeout_s)
         formatter_cls = ChatFormatter if chat else CompletionFormatter
         formatter = formatter_cls(request_id, self._served_model_name, int(time.time()),
                                   include_usage=req.include_usage)

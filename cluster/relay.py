@@ -20,8 +20,8 @@ import contextlib
 import logging
 from typing import Any, AsyncIterator, Callable
 
-from cluster.errors import (ApiError, ReplicaOverloaded, ReplicaRejected, bad_request,
-                            replica_cause)
+from cluster.errors import (ApiError, ReplicaOverloaded, ReplicaRejected,
+                            ReplicaUnavailable, bad_request, replica_cause)
 from cluster.wire import decode_delta
 from deltas.collector import DeltaCollector
 from deltas.types import FinishReason, TextDelta, TokenDelta
@@ -41,6 +41,9 @@ async def open_replica_stream(stream_handle, request: dict) -> tuple[Any, TokenD
         if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)):
             raise
         raise replica_error(e) from None
+    if first.finish_reason == FinishReason.ERROR:  # no header went out yet: a real status
+        gen.cancel()
+        raise ApiError(500, f"The request failed: {first.error}", code="engine_error")
     return gen, first
 
 
@@ -52,6 +55,10 @@ def replica_error(exc: BaseException) -> ApiError:
                         code="rate_limit_exceeded", retry_after_s=cause.retry_after_s)
     if isinstance(cause, ReplicaRejected):
         return bad_request(cause.message)
+    if isinstance(cause, ReplicaUnavailable):
+        logger.warning("engine unavailable: %s", cause.message)
+        return ApiError(503, "The engine is unavailable (it failed or stalled); retry later",
+                        code="engine_unavailable", retry_after_s=1.0)
     if isinstance(cause, ApiError):
         return cause
     name = type(cause).__name__
@@ -66,21 +73,27 @@ def replica_error(exc: BaseException) -> ApiError:
 
 class Relay:
     def __init__(self, request_id: str, gen, first: TokenDelta, text_stream,
-                 abort: Callable[[str], None]) -> None:
+                 abort: Callable[[str], None], timeout_s: float | None = None) -> None:
         self.request_id = request_id
         self._gen = gen
         self._first = first
         self._text_stream = text_stream
         self._abort = abort
+        self._timeout_s = timeout_s
+        self.timed_out = False  # the request ran past `timeout_s` and was stopped
 
     async def text_deltas(self) -> AsyncIterator[TextDelta]:
         """Text deltas until one carries a finish reason (STOP, LENGTH, ABORT or
         ERROR with `.error`). Close it (`contextlib.aclosing`) when done early."""
         collector = DeltaCollector(self.request_id)
         collector.put(self._first)
-        pump = None
+        pump = timer = None
         if self._first.finish_reason is None:
             pump = asyncio.create_task(self._pump(collector))
+            if self._timeout_s is not None:
+                # NOTE: one timer per request, nothing per chunk.
+                timer = asyncio.get_running_loop().call_later(
+                    self._timeout_s, self._time_out, collector, pump)
         engine_done = False
         try:
             while True:
@@ -91,11 +104,19 @@ class Relay:
                 if text_delta.finish_reason is not None:
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             if pump is not None:
                 pump.cancel()
-            if not engine_done:  # stop string, disconnect or failure: stop the replica
+            # Stop string, disconnect, failure or timeout: stop the replica.
+            if not engine_done or self.timed_out:
                 self._gen.cancel()
                 self._abort(self.request_id)
+
+    def _time_out(self, collector: DeltaCollector, pump: asyncio.Task) -> None:
+        self.timed_out = True
+        pump.cancel()
+        collector.put_error(f"the request timed out after {self._timeout_s:g} s")
 
     async def _pump(self, collector: DeltaCollector) -> None:
         try:

@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 from ray import serve
 
-from cluster.errors import ReplicaOverloaded, ReplicaRejected
+from cluster.errors import ReplicaOverloaded, ReplicaRejected, ReplicaUnavailable
+from cluster.faults import FaultInjector, fault_injection_enabled
 from cluster.wire import encode_delta
 from deltas.types import TokenDelta
 
@@ -63,7 +64,8 @@ def split_per_token(delta: TokenDelta) -> list[TokenDelta]:
 class EngineReplica:
     def __init__(self, engine_config: dict, stream_merge: bool = True,
                  min_chunk_interval_ms: float = 0.0, max_chunks_per_s: float = 0.0,
-                 stats_interval_s: float = 1.0,
+                 stats_interval_s: float = 1.0, stall_timeout_s: float | None = None,
+                 enable_fault_injection: bool = False,
                  engine_factory: Callable[[Any], Any] | None = None) -> None:
         from replicas.config import EngineConfig
 
@@ -71,6 +73,10 @@ class EngineReplica:
         if engine_factory is None:
             from replicas.async_engine import AsyncEngine as engine_factory
         self._engine = engine_factory(config)
+        if stall_timeout_s is not None and hasattr(self._engine, "stall_timeout_s"):
+            self._engine.stall_timeout_s = stall_timeout_s
+        self._faults = (FaultInjector(self._engine)
+                        if fault_injection_enabled(enable_fault_injection) else None)
         self._stream_merge = stream_merge
         self._min_chunk_interval_s = max(0.0, min_chunk_interval_ms) / 1000.0
         self._max_chunks_per_s = max(0.0, max_chunks_per_s)
@@ -105,7 +111,7 @@ class EngineReplica:
         min_interval_s = self._min_chunk_interval_s if interval_ms is None else interval_ms / 1000.0
         try:
             delta = await self._first_delta(stream)
-        except (ReplicaRejected, ReplicaOverloaded):
+        except (ReplicaRejected, ReplicaOverloaded, ReplicaUnavailable):
             self._counts["num_streams_refused"] += 1
             await _close_quietly(stream)
             raise
@@ -173,16 +179,36 @@ class EngineReplica:
         return {**self._engine.stats(), **self._counts, "replica_id": self._replica_id}
 
     def check_health(self) -> None:
-        """Serve's health check: raises when the engine thread died or stalled."""
-        self._engine.check_health()
+        """Serve's health check: raises when the engine thread died or stalled.
+
+        A stalled engine cannot end its own streams, and Serve stops an unhealthy
+        replica gracefully (it waits for in-flight requests): so the streams are
+        failed here, and end with an error event instead of hanging."""
+        try:
+            self._engine.check_health()
+        except Exception:
+            fail_stalled = getattr(self._engine, "fail_stalled", None)
+            if fail_stalled is not None:
+                fail_stalled()
+            raise
 
     def health(self) -> bool:
         """The same check, callable through a handle (the ingress's /health)."""
-        self._engine.check_health()
+        self.check_health()
         return True
+
+    def inject_fault(self, kind: str, step_delay_s: float = 0.05) -> None:
+        """Test-only (cluster/faults.py): 'raise', 'hang', 'slow' or 'clear'.
+        Refused unless fault injection was enabled for this app."""
+        if self._faults is None:
+            raise PermissionError("fault injection is disabled on this replica")
+        self._faults.inject(kind, step_delay_s)
 
     def __del__(self) -> None:
         self._stop_stats.set()
+        faults = getattr(self, "_faults", None)
+        if faults is not None:
+            faults.release()
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()
@@ -204,12 +230,14 @@ class EngineReplica:
         return request_id, stream
 
     async def _first_delta(self, stream) -> TokenDelta:
-        from replicas.async_engine import EngineOverloaded
+        from replicas.async_engine import EngineDeadError, EngineOverloaded
 
         try:
             return await stream.__anext__()
         except EngineOverloaded as e:
             raise ReplicaOverloaded(str(e), float(getattr(e, "retry_after_s", 1.0))) from None
+        except EngineDeadError as e:  # a cluster exception: the ingress must not import torch
+            raise ReplicaUnavailable(str(e)) from None
         except ValueError as e:
             raise ReplicaRejected(str(e)) from None
 

@@ -21,7 +21,9 @@ logger = logging.getLogger("ray.serve")
 TokenText = Callable[[int], str]
 
 
-def _engine_failure(text_delta: TextDelta) -> ApiError:
+def _engine_failure(text_delta: TextDelta, relay: Relay) -> ApiError:
+    if relay.timed_out:
+        return ApiError(504, f"The request timed out: {text_delta.error}", code="timeout")
     return ApiError(500, f"The request failed while generating: {text_delta.error}",
                     code="engine_error")
 
@@ -88,7 +90,7 @@ async def sse_events(relay: Relay, formatter, chat: bool, token_text: TokenText 
         async with aclosing(relay.text_deltas()) as text_deltas:
             async for td in text_deltas:
                 if is_error(td):
-                    yield sse_error_event(_engine_failure(td))
+                    yield sse_error_event(_engine_failure(td, relay))
                     return
                 logprobs = None
                 if token_text is not None and td.token_ids:
@@ -121,7 +123,7 @@ async def json_body(relay: Relay, formatter, chat: bool, token_text: TokenText |
     async with aclosing(relay.text_deltas()) as text_deltas:
         async for td in text_deltas:
             if is_error(td):
-                raise _engine_failure(td)
+                raise _engine_failure(td, relay)
             texts.append(td.text)
             if token_text is not None and td.logprobs is not None:
                 token_ids.extend(td.token_ids)
