@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
@@ -171,6 +172,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
+        # As OpenAI: never ignore a field silently.
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:

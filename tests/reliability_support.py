@@ -1,0 +1,114 @@
+"""Helpers for the reliability tests: SSE clients that can hang up anywhere,
+OpenAI error-shape checks, engine replica stats and actors.
+
+Not a test module.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import httpx
+
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@dataclass(slots=True)
+class StreamResult:
+    status: int
+    headers: dict = field(default_factory=dict)
+    events: list = field(default_factory=list)  # parsed JSON events, "[DONE]" as a str
+    body: bytes = b""  # the whole body of a non-SSE answer
+    disconnected: bool = False  # we hung up before the end
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] == "[DONE]"
+
+    @property
+    def error_events(self) -> list[dict]:
+        return [e for e in self.events if isinstance(e, dict) and "error" in e]
+
+    @property
+    def text(self) -> str:
+        parts = []
+        for e in self.events:
+            if isinstance(e, dict) and e.get("choices"):
+                choice = e["choices"][0]
+                parts.append(choice.get("text") or (choice.get("delta") or {}).get("content")
+                             or "")
+        return "".join(parts)
+
+    @property
+    def finish_reason(self) -> str | None:
+        for e in reversed(self.events):
+            if isinstance(e, dict) and e.get("choices"):
+                return e["choices"][0].get("finish_reason")
+        return None
+
+    def json(self):
+        return json.loads(self.body)
+
+
+def is_openai_error(body: dict) -> bool:
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and set(error) == ERROR_KEYS and bool(error["message"])
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict,
+                         headers: dict | None = None,
+                         hang_up_after_events: int | None = None) -> StreamResult:
+    """POST and read the SSE answer; hang up after `hang_up_after_events` data events
+    (closing the response closes its connection mid-stream)."""
+    async with client.stream("POST", url, json=body, headers=headers) as r:
+        result = StreamResult(r.status_code, dict(r.headers))
+        if r.status_code != 200 or not r.headers.get("content-type", "").startswith(
+                "text/event-stream"):
+            result.body = await r.aread()
+            return result
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            result.events.append(data if data == "[DONE]" else json.loads(data))
+            if hang_up_after_events is not None and len(result.events) >= hang_up_after_events:
+                result.disconnected = True
+                return result
+    return result
+
+
+def replica_actor_name(replica_unique_id: str, deployment: str = "EngineReplica",
+                       app: str = "stepstream") -> str:
+    """The Ray actor name of a Serve replica (namespace "serve")."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    return ReplicaID(replica_unique_id, DeploymentID(deployment, app)).to_full_id_str()
+
+
+def engine_stats(handle, num_replicas: int = 1, max_calls: int = 60) -> dict[str, dict]:
+    """The latest stats of every engine replica (a call lands on a random one)."""
+    seen: dict[str, dict] = {}
+    for _ in range(max_calls):
+        s = handle.stats.remote().result(timeout_s=30)
+        seen[s["replica_id"]] = s
+        if len(seen) >= num_replicas:
+            break
+    return seen
+
+
+def is_idle(stats: dict) -> bool:
+    return (stats["num_running"] == 0 and stats["num_waiting"] == 0
+            and stats["num_free_blocks"] == stats["num_total_blocks"]
+            and stats["num_active_streams"] == 0)
+
+
+async def gather_bounded(coros, limit: int):
+    """Run coroutines at most `limit` at a time; results in order."""
+    semaphore = asyncio.Semaphore(limit)
+
+    async def one(coro):
+        async with semaphore:
+            return await coro
+
+    return await asyncio.gather(*(one(c) for c in coros))
