@@ -197,12 +197,13 @@ class EngineReplica:
         self.check_health()
         return True
 
-    def inject_fault(self, kind: str, step_delay_s: float = 0.05) -> None:
-        """Test-only (cluster/faults.py): 'raise', 'hang', 'slow' or 'clear'.
-        Refused unless fault injection was enabled for this app."""
+    def inject_fault(self, kind: str, step_delay_s: float = 0.05) -> str:
+        """Test-only (cluster/faults.py): 'raise', 'hang', 'slow' or 'clear'; returns
+        this replica's id. Refused unless fault injection was enabled for this app."""
         if self._faults is None:
             raise PermissionError("fault injection is disabled on this replica")
         self._faults.inject(kind, step_delay_s)
+        return self._replica_id
 
     def __del__(self) -> None:
         self._stop_stats.set()

@@ -1,0 +1,128 @@
+"""Redeploys and scale-downs drain in-flight streams (issue 6), on a real local Ray.
+
+Streams are slowed on the running replicas (`inject_fault("slow")`, enabled only
+for this app) so they are still running when Serve starts stopping the old
+replicas; the test checks that it did (a replica in STOPPING while streams ran),
+and that every stream still ended with a complete answer and `[DONE]`. With a
+drain timeout shorter than the streams, they would end in error events instead.
+One app for the module; Serve and Ray always shut down."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from cluster_support import engine_handle, serve_app, wait_healthy
+from reliability_support import stream_request
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+MODEL = "tiny"
+MAX_TOKENS = 480
+STEP_DELAY_S = 0.2  # per 4-token window: a stream lasts ~25 s on a slowed replica
+APP_ARGS = {"model": MODEL, "num_engine_replicas": 2, "engine_num_cpus": 1,
+            "ingress_num_cpus": 0.25, "num_threads": 1, "max_num_seqs": 16,
+            "num_kv_blocks": 512, "num_scheduler_steps": 4, "max_model_len": 512,
+            "enable_fault_injection": True, "graceful_shutdown_timeout_s": 120.0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_app(APP_ARGS, num_cpus=4) as base:
+        yield base
+
+
+def _slow_every_replica(num_replicas: int) -> None:
+    handle = engine_handle()
+    seen: set[str] = set()
+    for _ in range(100):
+        seen.add(handle.inject_fault.remote("slow", STEP_DELAY_S).result(timeout_s=30))
+        if len(seen) >= num_replicas:
+            return
+    raise AssertionError(f"reached only {seen}")
+
+
+def _redeploy(args: dict) -> None:
+    from ray import serve
+
+    from cluster.app import AppArgs, make_app
+
+    serve.run(make_app(AppArgs.model_validate(args)), name="stepstream", route_prefix="/",
+              blocking=False)
+
+
+def _engine_states() -> dict:
+    from ray import serve
+
+    app = serve.status().applications.get("stepstream")
+    if app is None or "EngineReplica" not in app.deployments:
+        return {}
+    return {str(k): v for k, v in app.deployments["EngineReplica"].replica_states.items()}
+
+
+def _streams_through_a_change(server: str, new_args: dict, num_replicas: int,
+                              num_streams: int = 6):
+    """Start slowed streams, change the app while they run; (results, whether an old
+    replica was STOPPING while streams were still running, seconds of the change)."""
+    _slow_every_replica(num_replicas)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    saw_stopping = [False]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            tasks = [asyncio.ensure_future(stream_request(client, server + "/v1/completions",
+                                                          body)) for _ in range(num_streams)]
+            await asyncio.sleep(2.0)  # every stream is running on an old replica
+            assert not any(t.done() for t in tasks)
+            started = time.monotonic()
+            change = threading.Thread(target=_redeploy, args=(new_args,), daemon=True)
+            change.start()
+            while not all(t.done() for t in tasks):
+                states = await asyncio.to_thread(_engine_states)
+                saw_stopping[0] |= states.get("STOPPING", 0) > 0
+                await asyncio.sleep(0.2)
+            await asyncio.to_thread(change.join, 300)
+            return await asyncio.gather(*tasks), time.monotonic() - started
+
+    results, change_s = asyncio.run(run())
+    return results, saw_stopping[0], change_s
+
+
+def _assert_complete(results) -> None:
+    for r in results:
+        assert r.status == 200 and r.done and not r.error_events, r.events[-2:]
+        assert r.finish_reason == "length"
+        assert r.events[-2]["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_redeploy_with_a_changed_arg_lets_streams_finish(server):
+    results, saw_stopping, change_s = _streams_through_a_change(
+        server, {**APP_ARGS, "max_chunks_per_s": 400.0}, num_replicas=2)
+    _assert_complete(results)
+    assert saw_stopping, "the old replicas were never stopped while streams ran"
+    wait_healthy(server)
+    print(f"\nredeploy: {len(results)} streams finished through it ({change_s:.1f} s)")
+
+
+def test_scale_down_lets_streams_finish(server):
+    results, saw_stopping, change_s = _streams_through_a_change(
+        server, {**APP_ARGS, "max_chunks_per_s": 400.0, "num_engine_replicas": 1},
+        num_replicas=2)
+    _assert_complete(results)
+    assert saw_stopping, "no replica was stopped while streams ran"
+    assert wait_until_one_replica()
+    print(f"\nscale-down 2 -> 1: {len(results)} streams finished through it ({change_s:.1f} s)")
+
+
+def wait_until_one_replica(timeout_s: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _engine_states() == {"RUNNING": 1}:
+            return True
+        time.sleep(0.5)
+    return False
