@@ -21,8 +21,8 @@ from reliability_support import stream_request
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
-MAX_TOKENS = 480
-STEP_DELAY_S = 0.2  # per 4-token window: a stream lasts ~25 s on a slowed replica
+MAX_TOKENS = 240
+STEP_DELAY_S = 0.2  # per 4-token window: a stream lasts ~12 s on a slowed replica
 APP_ARGS = {"model": MODEL, "num_engine_replicas": 2, "engine_num_cpus": 1,
             "ingress_num_cpus": 0.25, "num_threads": 1, "max_num_seqs": 16,
             "num_kv_blocks": 512, "num_scheduler_steps": 4, "max_model_len": 512,
