@@ -36,7 +36,9 @@ from loadtests.local_server import LocalServer
 
 ROLES = {"engine": "ServeReplica:stepstream:EngineReplica",
          "ingress": "ServeReplica:stepstream:Ingress", "proxy": "ProxyActor"}
-_KV_LINE = re.compile(r"^stepstream_kv_cache_usage\{[^}]*\}\s+([0-9.eE+-]+)", re.M)
+# NOTE: Ray's Prometheus exporter prefixes our metric names with "ray_".
+_KV_LINE = re.compile(r"^(?:ray_)?stepstream_kv_cache_usage(?:\{[^}]*\})?\s+([0-9.eE+-]+)",
+                      re.M)
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -128,17 +130,17 @@ class Sampler(threading.Thread):
         super().__init__(name="soak-sampler", daemon=True)
         self.root_pid, self.session_dir, self.interval_s = root_pid, session_dir, interval_s
         self.samples: list[tuple[float, dict, list]] = []
+        self.metrics_url: str | None = None  # the Ray node's Prometheus endpoint
         self._stop_event = threading.Event()
         self.started_at = time.monotonic()
 
     def run(self) -> None:
-        url = None
         while not self._stop_event.is_set():
             procs = app_processes(self.root_pid)
-            if url is None:
-                url = metrics_url(self.session_dir or session_dir_of(procs))
+            if self.metrics_url is None:
+                self.metrics_url = metrics_url(self.session_dir or session_dir_of(procs))
             self.samples.append((time.monotonic() - self.started_at, rss_by_role(procs),
-                                 kv_usages(url)))
+                                 kv_usages(self.metrics_url)))
             self._stop_event.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -190,7 +192,8 @@ def run_soak(args: argparse.Namespace, host: str, root_pid: int | None,
     last = max(0, int(args.minutes) - 1)
     return {"minutes": args.minutes, "users": args.users, "host": host,
             "recorded": recorded, "first_minute": sampler.minute(0),
-            "last_minute": sampler.minute(last), "samples": sampler.samples}
+            "last_minute": sampler.minute(last), "metrics_url": sampler.metrics_url,
+            "samples": sampler.samples}
 
 
 def _fmt(value, unit: str = "", digits: int = 1) -> str:
