@@ -75,19 +75,20 @@ def run_engine(config: EngineConfig, num_requests: int, concurrency: int, input_
     finally:
         engine.shutdown()
         gc.collect()
-    ttft, tpot, itl, chunk_sizes = [], [], [], []
+    ttft, tpot, itl, chunk_sizes, latency = [], [], [], [], []
     total = 0
     for r in records:
         t = r["chunk_times"]
         total += r["num_tokens"]
         ttft.append((t[0] - r["start"]) * 1e3)
-        if r["num_tokens"] > 1:
+        latency.append((t[-1] - r["start"]) * 1e3)
+        if r["num_tokens"] > 1 and len(t) > 1:  # a single delta (no streaming) has no TPOT
             tpot.append((t[-1] - t[0]) * 1e3 / (r["num_tokens"] - 1))
         itl += [(b - a) * 1e3 for a, b in zip(t, t[1:])]
         chunk_sizes.append(r["num_tokens"] / len(t))
     return {
         "output_tokens_per_s": total / duration, "duration_s": duration, "num_output_tokens": total,
-        "median_ttft_ms": _pct(ttft, 50), "median_tpot_ms": _pct(tpot, 50), "p99_tpot_ms": _pct(tpot, 99),
+        "median_ttft_ms": _pct(ttft, 50), "median_latency_ms": _pct(latency, 50), "median_tpot_ms": _pct(tpot, 50), "p99_tpot_ms": _pct(tpot, 99),
         "median_itl_ms": _pct(itl, 50), "p99_itl_ms": _pct(itl, 99),
         "mean_tokens_per_delta": statistics.fmean(chunk_sizes),
         "output_cpu_us_per_token": out_cpu * 1e6 / max(out_tokens, 1),
