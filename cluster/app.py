@@ -48,7 +48,7 @@ class AppArgs(BaseModel):
     # Chunk budget per engine replica, shared by its active streams (0: none). Each
     # chunk costs ~1 ms of CPU across replica, ingress and proxy on a small CPU
     # machine; 500/s leaves most of it to the engine. 1 stream: no effect.
-    max_chunks_per_s: float = Field(500.0, ge=0.0)
+    max_chunks_per_s: float = Field(200.0, ge=0.0)
     # Deployments.
     num_engine_replicas: int = Field(1, ge=1)
     engine_num_cpus: float = Field(1.0, ge=0.0)
