@@ -56,6 +56,18 @@ class _Formatter:
                 "model": self.model, "choices": [choice],
                 "usage": usage_dict(num_prompt_tokens, num_output_tokens)}
 
+    def _choice_event(self, content: str, finish_reason, logprobs, stop_reason) -> bytes:
+        """One chunk event: `content` is the choice's text or delta field."""
+        fields = _choice_fields(content, finish_reason, logprobs, stop_reason)
+        return sse_event(self._chunk_head + fields + "}]" + self._chunk_tail)
+
+
+def _choice_fields(content: str, finish_reason, logprobs, stop_reason) -> str:
+    fields = f'{content},"logprobs":{_dumps(logprobs)},"finish_reason":{_dumps(finish_reason)}'
+    if finish_reason is not None:
+        fields += f',"stop_reason":{_dumps(stop_reason)}'
+    return fields
+
 
 class CompletionFormatter(_Formatter):
     object_name = "text_completion"
@@ -63,11 +75,7 @@ class CompletionFormatter(_Formatter):
 
     def chunk_event(self, text: str, finish_reason: str | None = None,
                     logprobs: dict | None = None, stop_reason=None) -> bytes:
-        fields = (f'"text":{_dumps(text)},"logprobs":{_dumps(logprobs)},'
-                  f'"finish_reason":{_dumps(finish_reason)}')
-        if finish_reason is not None:
-            fields += f',"stop_reason":{_dumps(stop_reason)}'
-        return sse_event(self._chunk_head + fields + "}]" + self._chunk_tail)
+        return self._choice_event(f'"text":{_dumps(text)}', finish_reason, logprobs, stop_reason)
 
     def response(self, text: str, finish_reason: str | None, stop_reason,
                  logprobs: dict | None, num_prompt_tokens: int, num_output_tokens: int) -> dict:
@@ -95,11 +103,7 @@ class ChatFormatter(_Formatter):
             delta = f'{{"content":{_dumps(text)}}}'
         else:
             delta = "{}"
-        fields = (f'"delta":{delta},"logprobs":{_dumps(logprobs)},'
-                  f'"finish_reason":{_dumps(finish_reason)}')
-        if finish_reason is not None:
-            fields += f',"stop_reason":{_dumps(stop_reason)}'
-        return sse_event(self._chunk_head + fields + "}]" + self._chunk_tail)
+        return self._choice_event(f'"delta":{delta}', finish_reason, logprobs, stop_reason)
 
     def response(self, text: str, finish_reason: str | None, stop_reason,
                  logprobs: dict | None, num_prompt_tokens: int, num_output_tokens: int) -> dict:

@@ -36,11 +36,11 @@ class Engine:
 
     # -- request-level API ----------------------------------------------------
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
-                    request_id: str | None = None, keep_deltas: bool = False) -> str:
+                    request_id: str | None = None) -> str:
         request_id = request_id if request_id is not None else f"offline-{next(self._ids)}"
         ids = self._encode(prompt)
         out = RequestOutput(request_id, ids)
-        sink = CollectingSink(out, keep_deltas)
+        sink = CollectingSink(out)
         req = self.core.make_request(request_id, ids, params or SamplingParams(), sink)
         self.core.add_request(req)
         self._outputs[request_id] = out

@@ -23,27 +23,22 @@ class RequestOutput:
 
 
 class CollectingSink:
-    """Offline sink: appends every delta to one RequestOutput (same thread rules
-    as a collector: put may come from the output thread)."""
+    """Offline sink: merges every delta into one (TokenDelta.merge, the same rule
+    as the streaming collectors) and mirrors it onto a RequestOutput. `put` may
+    come from the output thread."""
 
-    __slots__ = ("output", "deltas", "keep_deltas")
+    __slots__ = ("output", "_merged")
 
-    def __init__(self, output: RequestOutput, keep_deltas: bool = False):
+    def __init__(self, output: RequestOutput):
         self.output = output
-        self.keep_deltas = keep_deltas
-        self.deltas: list[TokenDelta] = []
+        self._merged = TokenDelta(output.request_id, output.token_ids)
 
     def put(self, delta: TokenDelta, notify: bool = True, wakes=None) -> None:
+        merged = self._merged
+        merged.merge(delta)  # extends output.token_ids in place (the same list)
         out = self.output
-        out.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None:
-            if out.logprobs is None:
-                out.logprobs = []
-            out.logprobs.extend(delta.logprobs)
-        if delta.finish_reason is not None:
-            out.finish_reason, out.stop_reason, out.error = delta.finish_reason, delta.stop_reason, delta.error
-        if self.keep_deltas:
-            self.deltas.append(delta)
+        out.logprobs = merged.logprobs
+        out.finish_reason, out.stop_reason, out.error = merged.finish_reason, merged.stop_reason, merged.error
 
     def notify(self) -> None:
         pass

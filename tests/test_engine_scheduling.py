@@ -64,7 +64,7 @@ def test_stops_inside_a_window_emit_nothing_past_the_stop(reference):
             break
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token])
     with Engine(EngineConfig(model="tiny", num_scheduler_steps=8)) as engine:
-        rid = [engine.add_request(p, params, keep_deltas=True) for p in prompts]
+        rid = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():
             engine.step()
         for r, ref in zip(rid, reference):
