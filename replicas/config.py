@@ -115,6 +115,9 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     max_waiting_prompt_tokens: int | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave as is
+    # Reuse the K/V of full blocks of earlier prompts (shared system prompts, chat
+    # turns); cached blocks stay until free blocks run out.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model",
@@ -139,6 +142,8 @@ class EngineConfig:
         _check(isinstance(self.release_per_step, bool), "release_per_step", "a boolean",
                self.release_per_step)
         _check(isinstance(self.enforce_eager, bool), "enforce_eager", "a boolean", self.enforce_eager)
+        _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a boolean",
+               self.enable_prefix_caching)
         _check(self.attention_backend in ("auto", "torch", "triton", "flash-attn"),
                "attention_backend", "one of auto, torch, triton, flash-attn",
                self.attention_backend)

@@ -44,7 +44,8 @@ class EngineCore:
                              f"max_model_len {self.max_model_len} (needs {max_seq_blocks}): "
                              f"raise num_kv_blocks/kv_cache_gib or lower max_model_len")
         self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          num_watermark_blocks=min(num_blocks // 100, max_seq_blocks))
+                                          num_watermark_blocks=min(num_blocks // 100, max_seq_blocks),
+                                          enable_caching=config.enable_prefix_caching)
         self.output = OutputProcessor(self.max_model_len, config.async_output, config.release_per_step)
         self.scheduler = Scheduler(config, self.block_manager, flush_outputs=self.output.wait)
         self.requests: dict[str, Request] = {}
@@ -155,6 +156,7 @@ class EngineCore:
             s.request.num_computed_tokens += s.num_new_tokens
         for s in sched.decode_seqs:
             s.request.num_computed_tokens += num_steps
+        self.scheduler.cache_computed_blocks(sched)
         self._last_num_steps = num_steps
 
     def _free_finished(self) -> None:
@@ -185,6 +187,10 @@ class EngineCore:
             "kv_cache_usage": bm.usage,
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,
+            "num_prefix_cache_hit_tokens": self.scheduler.num_prefix_cache_hit_tokens,
+            "num_prefix_cache_query_tokens": self.scheduler.num_prefix_cache_query_tokens,
+            "num_cached_blocks": bm.num_cached_blocks,
         }
 
     def shutdown(self) -> None:

@@ -44,6 +44,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_ids: list[int] = field(default_factory=list)
+    # Prefix cache: chained hashes of the full blocks of prompt + output hashed so
+    # far, and how many leading blocks of block_ids are in the cache (hit or entered).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
     num_preemptions: int = 0
     # Set by the output processor (possibly from another thread).
     finish_reason: FinishReason | None = None

@@ -8,6 +8,12 @@ window* (every running request decodes; `num_scheduler_steps` steps back to
 back). New prompts are admitted only at these boundaries. A window reserves the
 slots of its N-1 lookahead tokens up front, so block tables never change inside
 it, and preemption happens before a window, never inside one.
+
+Prefix caching: a request being admitted takes the longest chain of cached full
+blocks of its tokens (prompt, plus output after a preemption) and computes only
+the rest, always at least its last token (the model needs its logits). Blocks
+enter the cache once full and computed (`cache_computed_blocks`, after a
+decision ran), so nothing can hit a block that is still being written.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from replicas.block_hash import extend_block_hashes, kv_namespace, root_block_hash
 from replicas.block_manager import BlockManager
 from replicas.config import EngineConfig
 from replicas.request import Request, RequestStatus
@@ -56,6 +63,10 @@ class Scheduler:
         self.flush_outputs = flush_outputs
         self.num_waiting_prompt_tokens = 0
         self.num_preemptions = 0
+        self.root_block_hash = root_block_hash(kv_namespace(config.model, config.dtype))
+        # Tokens of admitted requests, and those of them found in the prefix cache.
+        self.num_prefix_cache_query_tokens = 0
+        self.num_prefix_cache_hit_tokens = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -133,19 +144,64 @@ class Scheduler:
         # 3. admit waiting requests, FCFS, while budget, sequences and blocks allow
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            chunk = min(req.num_uncomputed_tokens, token_budget)
-            end = req.num_computed_tokens + chunk
-            if not bm.can_allocate(end):
+            cached_block_ids = self._find_cached_prefix(req)
+            start = len(cached_block_ids) * bm.block_size
+            chunk = min(req.num_tokens - start, token_budget)
+            end = start + chunk
+            if not bm.can_allocate(end, cached_block_ids):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.num_waiting_prompt_tokens -= req.num_tokens
+            bm.take_cached_blocks(req.block_ids, cached_block_ids)
             bm.allocate(req.block_ids, end)
+            req.num_computed_tokens = start
+            req.num_cached_blocks = len(cached_block_ids)
+            self.num_prefix_cache_query_tokens += req.num_tokens
+            self.num_prefix_cache_hit_tokens += start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.prefill_seqs.append(ScheduledSeq(req, req.num_computed_tokens, chunk,
-                                                 end == req.num_tokens))
+            out.prefill_seqs.append(ScheduledSeq(req, start, chunk, end == req.num_tokens))
             token_budget -= chunk
         out.num_steps = 1
+
+    # -- prefix cache --------------------------------------------------------
+    def _find_cached_prefix(self, req: Request) -> list[int]:
+        """Cached block ids for req's leading full blocks, never its last token."""
+        bm = self.block_manager
+        if not bm.enable_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // bm.block_size
+        extend_block_hashes(req.block_hashes, self.root_block_hash, bm.block_size,
+                            max_blocks * bm.block_size, req.token_ids_slice)
+        return bm.find_cached_blocks(req.block_hashes, max_blocks)
+
+    def cache_computed_blocks(self, out: SchedulerOutput) -> None:
+        """Enter the blocks a decision filled into the prefix cache, once it ran.
+
+        NOTE: O(1) per request unless a block became full; each block is hashed
+        once, when its last token's K/V is computed (tokens sampled in a window
+        are already in output_token_ids by then).
+        """
+        bm = self.block_manager
+        if not bm.enable_caching:
+            return
+        bs = bm.block_size
+        for seqs in (out.prefill_seqs, out.decode_seqs):
+            for s in seqs:
+                req = s.request
+                num_full_blocks = req.num_computed_tokens // bs
+                if num_full_blocks <= req.num_cached_blocks:
+                    continue
+                extend_block_hashes(req.block_hashes, self.root_block_hash, bs,
+                                    num_full_blocks * bs, req.token_ids_slice)
+                bm.cache_blocks(req.block_ids, req.block_hashes, req.num_cached_blocks,
+                                num_full_blocks)
+                req.num_cached_blocks = num_full_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Admitted tokens found in the cache, over all admitted tokens."""
+        return self.num_prefix_cache_hit_tokens / max(self.num_prefix_cache_query_tokens, 1)
 
     def _reserve(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Slots for `num_tokens` in req's table, preempting from the back as needed.
@@ -168,10 +224,12 @@ class Scheduler:
         if req.is_finished:
             # finished while its outputs were in flight: the engine frees it
             self.block_manager.free(req.block_ids)
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = req.num_cached_blocks = 0
             return
+        # NOTE: its block hashes stay: the tokens are the same when it comes back,
+        # and its own blocks may still be cached then.
         self.block_manager.free(req.block_ids)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_cached_blocks = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
