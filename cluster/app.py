@@ -42,6 +42,7 @@ class AppArgs(BaseModel):
     num_threads: int | None = None
     max_waiting_requests: int | None = None
     max_waiting_prompt_tokens: int | None = None
+    enable_prefix_caching: bool = True
     # Streaming between replica and ingress.
     stream_merge: bool = True
     min_chunk_interval_ms: float = Field(0.0, ge=0.0, le=10_000.0)
@@ -112,6 +113,7 @@ class AppArgs(BaseModel):
             "max_waiting_requests": self.max_waiting_requests,
             "max_waiting_prompt_tokens": self.max_waiting_prompt_tokens,
             "num_threads": self.num_threads,
+            "enable_prefix_caching": self.enable_prefix_caching,
         }
 
     def engine_config(self):

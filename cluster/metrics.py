@@ -61,6 +61,15 @@ class ReplicaMetrics:
         self.kv_cache_usage = metrics.Gauge(
             "stepstream_kv_cache_usage", "Fraction of KV cache blocks in use (0..1)",
             tag_keys=("model",))
+        self.prefix_cache_hit_rate = metrics.Gauge(
+            "stepstream_prefix_cache_hit_rate",
+            "Admitted prompt tokens found in the prefix cache, since start (0..1)",
+            tag_keys=("model",))
+        self.num_cached_blocks = metrics.Gauge(
+            "stepstream_prefix_cache_blocks", "KV blocks in the prefix cache (held or evictable)",
+            tag_keys=("model",))
+        self.prefix_cache_hit_rate.set_default_tags(tags)
+        self.num_cached_blocks.set_default_tags(tags)
         self.chunks = metrics.Counter(
             "stepstream_replica_chunks", "Chunks streamed from replicas to the ingress",
             tag_keys=("model",))
@@ -76,3 +85,5 @@ class ReplicaMetrics:
         self.num_running.set(stats.get("num_running", 0))
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.prefix_cache_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
+        self.num_cached_blocks.set(stats.get("num_cached_blocks", 0))
