@@ -31,6 +31,11 @@ from loadtests.metrics import format_result_block, summarize
 from loadtests.openai_stream import COMPLETIONS, CHAT_COMPLETIONS, join_url
 
 
+# multiturn: a replay of multi-turn ShareGPT conversations, each turn's prompt
+# holding the earlier turns (see datasets.sample_multiturn_requests).
+DATASET_NAMES = ("random", "sharegpt", "prefix", "multiturn")
+
+
 @dataclass(slots=True)
 class BenchConfig:
     base_url: str | None = None
@@ -47,6 +52,11 @@ class BenchConfig:
     random_output_len: int = 128
     random_range_ratio: float = 0.0
     sharegpt_output_len: int | None = None
+    # dataset "prefix": a shared prefix (system prompt) plus a unique suffix per
+    # request; outputs of random_output_len tokens.
+    prefix_len: int = 1024
+    suffix_len: int = 64
+    num_prefixes: int = 1
     ignore_eos: bool = False
     request_rate: float = math.inf
     burstiness: float = 1.0
@@ -65,8 +75,9 @@ class BenchConfig:
     print_result: bool = True
 
     def __post_init__(self) -> None:
-        if self.dataset_name not in ("random", "sharegpt"):
-            raise ValueError(f"dataset_name must be random or sharegpt, got {self.dataset_name!r}")
+        if self.dataset_name not in DATASET_NAMES:
+            raise ValueError(f"dataset_name must be one of {', '.join(DATASET_NAMES)}, "
+                             f"got {self.dataset_name!r}")
         if self.endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
             raise ValueError(f"endpoint must be {COMPLETIONS} or {CHAT_COMPLETIONS}, got {self.endpoint!r}")
         if self.num_prompts < 1 or self.request_rate <= 0 or self.timeout <= 0:
@@ -93,6 +104,13 @@ def load_requests(cfg: BenchConfig, tokenizer) -> list[datasets.SampleRequest]:
     if cfg.dataset_name == "random":
         return datasets.sample_random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
                                                tokenizer, cfg.random_range_ratio, cfg.seed)
+    if cfg.dataset_name == "prefix":
+        return datasets.sample_prefix_requests(cfg.num_prompts, cfg.prefix_len, cfg.suffix_len,
+                                               cfg.random_output_len, tokenizer, cfg.num_prefixes,
+                                               cfg.seed)
+    if cfg.dataset_name == "multiturn":
+        return datasets.sample_multiturn_requests(cfg.dataset_path, cfg.num_prompts, tokenizer,
+                                                  cfg.sharegpt_output_len, cfg.seed)
     return datasets.sample_sharegpt_requests(cfg.dataset_path, cfg.num_prompts, tokenizer,
                                              cfg.sharegpt_output_len, cfg.seed)
 
@@ -232,13 +250,20 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model)
     p.add_argument("--tokenizer", default=None, help="HF dir or tokenizer.json; default: --model if a dir")
     p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
-    p.add_argument("--dataset-name", default=d.dataset_name, choices=["random", "sharegpt"])
+    p.add_argument("--dataset-name", default=d.dataset_name, choices=list(DATASET_NAMES))
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the bundled sample")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts)
     p.add_argument("--random-input-len", type=int, default=d.random_input_len)
-    p.add_argument("--random-output-len", type=int, default=d.random_output_len)
+    p.add_argument("--random-output-len", type=int, default=d.random_output_len,
+                   help="output tokens of the random and prefix datasets")
     p.add_argument("--random-range-ratio", type=float, default=d.random_range_ratio)
-    p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="also for multiturn")
+    p.add_argument("--prefix-len", type=int, default=d.prefix_len,
+                   help="prefix dataset: tokens of the shared prefix (system prompt)")
+    p.add_argument("--suffix-len", type=int, default=d.suffix_len,
+                   help="prefix dataset: tokens of each request's unique suffix")
+    p.add_argument("--num-prefixes", type=int, default=d.num_prefixes,
+                   help="prefix dataset: distinct shared prefixes, used round robin")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--request-rate", type=float, default=d.request_rate, help="req/s; inf sends all at once")
     p.add_argument("--burstiness", type=float, default=d.burstiness)

@@ -169,3 +169,92 @@ def sample_sharegpt_requests(path: str | Path | None, num_prompts: int,
         raise ValueError(f"no usable conversation in {path}")
     # NOTE: a small sample file may hold fewer usable prompts than asked; cycle it.
     return [pool[i % len(pool)] for i in range(num_prompts)]
+
+
+# ---- shared prefix ----------------------------------------------------------------
+
+def sample_prefix_requests(num_prompts: int, prefix_len: int, suffix_len: int, output_len: int,
+                           tokenizer: TokenizerLike | None = None, num_prefixes: int = 1,
+                           seed: int = 0) -> list[SampleRequest]:
+    """Prompts made of a shared prefix (a system prompt of ~prefix_len tokens; words
+    without a tokenizer) and a unique suffix of ~suffix_len; request i uses prefix
+    i % num_prefixes. What a prefix cache is for."""
+    if num_prefixes < 1 or prefix_len < 0 or suffix_len < 1:
+        raise ValueError("num_prefixes and suffix_len must be >= 1, prefix_len >= 0")
+    rng = np.random.RandomState(seed)
+    if tokenizer is None:
+        words = _FALLBACK_WORDS
+        text = lambda n: " ".join(words[j] for j in rng.randint(0, len(words), size=n))  # noqa: E731
+        prefixes = [text(prefix_len) for _ in range(num_prefixes)]
+        return [SampleRequest(f"{prefixes[i % num_prefixes]}\n{text(suffix_len)}",
+                              prefix_len + suffix_len, output_len) for i in range(num_prompts)]
+    usable = np.asarray(_usable_ids(tokenizer))
+    draw = lambda n: usable[rng.randint(0, len(usable), size=n)].tolist()  # noqa: E731
+    # NOTE: a newline between prefix and suffix is a token boundary for byte-level
+    # BPE, so every prompt tokenizes its prefix to the same ids.
+    prefixes = [_token_prompt(tokenizer, draw(prefix_len), prefix_len)[0] if prefix_len else ""
+                for _ in range(num_prefixes)]
+    requests = []
+    for i in range(num_prompts):
+        suffix, _ = _token_prompt(tokenizer, draw(suffix_len), suffix_len)
+        prompt = f"{prefixes[i % num_prefixes]}\n{suffix}"
+        requests.append(SampleRequest(prompt, count_tokens(prompt, tokenizer), output_len))
+    return requests
+
+
+# ---- multi-turn chat replay ---------------------------------------------------------
+
+def load_sharegpt_conversations(path: str | Path) -> list[list[tuple[str, str]]]:
+    """Every conversation with >= 2 turns, as (human message, recorded reply) pairs."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    conversations = []
+    for c in data:
+        messages = [m["value"] for m in c.get("conversations", ())]
+        turns = list(zip(messages[0::2], messages[1::2]))
+        if len(turns) >= 2:
+            conversations.append(turns)
+    return conversations
+
+
+def conversation_prompts(turns: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(prompt, recorded reply) per turn. Turn k's prompt is turn k-1's prompt, its
+    recorded reply and the next message: each prompt extends the one before."""
+    prompts, transcript = [], ""
+    for message, reply in turns:
+        transcript += f"User: {message}\nAssistant:"
+        prompts.append((transcript, reply))
+        transcript += f" {reply}\n"
+    return prompts
+
+
+def sample_multiturn_requests(path: str | Path | None, num_prompts: int,
+                              tokenizer: TokenizerLike | None = None,
+                              fixed_output_len: int | None = None,
+                              seed: int = 0) -> list[SampleRequest]:
+    """A replay of multi-turn ShareGPT conversations (the recorded replies, not the
+    model's, go into later turns). Ordered turn by turn: every conversation's first
+    turn, then every second turn, ..., so a turn is sent after the one before it.
+    A conversation ends at its first turn that vLLM's length filter rejects."""
+    conversations = load_sharegpt_conversations(path or DEFAULT_SHAREGPT_PATH)
+    random.Random(seed).shuffle(conversations)
+    picked: list[list[SampleRequest]] = []
+    num_turns = 0
+    for turns in conversations:
+        if num_turns >= num_prompts:
+            break
+        kept = []
+        for prompt, reply in conversation_prompts(turns):
+            prompt_len = count_tokens(prompt, tokenizer)
+            output_len = fixed_output_len or count_tokens(reply, tokenizer)
+            if not is_valid_sequence(prompt_len, output_len, fixed_output_len is None):
+                break
+            kept.append(SampleRequest(prompt, prompt_len, output_len))
+        if len(kept) >= 2:
+            picked.append(kept)
+            num_turns += len(kept)
+    if not picked:
+        raise ValueError(f"no usable multi-turn conversation in {path}")
+    ordered = [c[k] for k in range(max(map(len, picked))) for c in picked if k < len(c)]
+    # NOTE: a small sample file may hold fewer turns than asked; cycle it.
+    return [ordered[i % len(ordered)] for i in range(num_prompts)]
