@@ -7,16 +7,20 @@ and onto the deployment options of the two deployments. Torch-free.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES, Ingress
 from cluster.replica import EngineReplica
+from cluster.routing import ROUTER_PATH
 
-# Unary calls (abort, stats, model_info) count against a replica's
-# max_ongoing_requests too; this headroom keeps them from queueing behind streams.
+# Unary calls (stats, model_info, health) and one channel per ingress replica
+# count against a replica's max_ongoing_requests too; this headroom keeps them
+# from queueing behind admitted requests.
 _UNARY_HEADROOM = 16
 
 
@@ -43,13 +47,13 @@ class AppArgs(BaseModel):
     max_waiting_requests: int | None = None
     max_waiting_prompt_tokens: int | None = None
     enable_prefix_caching: bool = True
-    # Streaming between replica and ingress.
-    stream_merge: bool = True
-    min_chunk_interval_ms: float = Field(0.0, ge=0.0, le=10_000.0)
-    # Chunk budget per engine replica, shared by its active streams (0: none). Each
-    # chunk costs ~1 ms of CPU across replica, ingress and proxy on a small CPU
-    # machine; 500/s leaves most of it to the engine. 1 stream: no effect.
-    max_chunks_per_s: float = Field(200.0, ge=0.0)
+    # The per-step channel between engine and ingress replicas. An idle channel
+    # closes after this long (so it never holds a draining replica) and reopens on
+    # demand.
+    channel_idle_close_s: float = Field(5.0, gt=0.0)
+    # Requests whose ingress left them with no channel this long are aborted (an
+    # ingress that died is also noticed by pinging it every few seconds).
+    ingress_detach_timeout_s: float = Field(30.0, gt=0.0)
     # Deployments.
     num_engine_replicas: int = Field(1, ge=1)
     engine_num_cpus: float = Field(1.0, ge=0.0)
@@ -81,6 +85,19 @@ class AppArgs(BaseModel):
     # Or only its SHA-256 (hex): the key itself then appears in no config.
     api_key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    # Without a key the app serves on loopback only, unless this says otherwise
+    # (cluster/access.py); checked against the running Serve's HTTP host.
+    allow_unauthenticated: bool = False
+
+    @model_validator(mode="after")
+    def _check_access(self) -> "AppArgs":
+        from cluster.access import check_access, has_api_key, serve_http_host
+
+        warning = check_access(serve_http_host(), has_api_key(self.api_key, self.api_key_sha256),
+                               self.allow_unauthenticated)
+        if warning:
+            logging.getLogger("ray.serve").warning(warning)
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
@@ -126,11 +143,12 @@ class AppArgs(BaseModel):
         # 429), so Serve must let that many requests through to the replica.
         max_ongoing = self.engine_max_ongoing_requests or (
             self.max_num_seqs + (self.max_waiting_requests or self.max_num_seqs)
-            + _UNARY_HEADROOM)
+            + _UNARY_HEADROOM + self.num_ingress_replicas)
         actor = {"num_cpus": self.engine_num_cpus}
         if self.engine_num_gpus:
             actor["num_gpus"] = self.engine_num_gpus
         options = {"ray_actor_options": actor, "max_ongoing_requests": max_ongoing,
+                   "request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
                    "max_queued_requests": self.engine_max_queued_requests,
                    "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
                    "health_check_period_s": self.health_check_period_s,
@@ -158,9 +176,9 @@ def build_app(args: dict | None = None) -> Application:
 def make_app(args: AppArgs, engine_factory: Callable | None = None) -> Application:
     """The app for validated args; `engine_factory` swaps the engine (tests)."""
     engine = EngineReplica.options(**args.engine_options()).bind(
-        args.engine_config_dict(), stream_merge=args.stream_merge,
-        min_chunk_interval_ms=args.min_chunk_interval_ms,
-        max_chunks_per_s=args.max_chunks_per_s, stall_timeout_s=args.stall_timeout_s,
+        args.engine_config_dict(), channel_idle_close_s=args.channel_idle_close_s,
+        ingress_detach_timeout_s=args.ingress_detach_timeout_s,
+        stall_timeout_s=args.stall_timeout_s,
         enable_fault_injection=args.enable_fault_injection, engine_factory=engine_factory)
     return Ingress.options(**args.ingress_options()).bind(
         engine, served_model_name=args.name_served, model=args.model,

@@ -12,9 +12,12 @@ wrapped in a `RayTaskError`.
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 from starlette.responses import JSONResponse
+
+logger = logging.getLogger("ray.serve")
 
 # (status, OpenAI error type) for the errors we emit.
 _TYPES = {
@@ -101,3 +104,31 @@ def replica_cause(exc: BaseException) -> BaseException:
     """The exception the replica raised, unwrapped from Ray's RayTaskError."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
+
+
+def replica_error(exc: BaseException) -> ApiError:
+    """The HTTP error for a failed call to an engine replica."""
+    cause = replica_cause(exc)
+    if isinstance(cause, ReplicaOverloaded):
+        return ApiError(429, f"The server is overloaded: {cause.message}",
+                        code="rate_limit_exceeded", retry_after_s=cause.retry_after_s)
+    if isinstance(cause, ReplicaRejected):
+        return bad_request(cause.message)
+    if isinstance(cause, ReplicaUnavailable):
+        logger.warning("engine unavailable: %s", cause.message)
+        return ApiError(503, "The engine is unavailable (it failed or stalled); retry later",
+                        code="engine_unavailable", retry_after_s=1.0)
+    if isinstance(cause, ApiError):
+        return cause
+    name = type(cause).__name__
+    if name == "BackPressureError":  # Serve's own queue limit on the handle
+        return ApiError(503, "The server is overloaded: too many queued requests",
+                        code="overloaded", retry_after_s=1.0)
+    if isinstance(cause, StopAsyncIteration):
+        return ApiError(500, "The engine ended the stream without output", code="engine_error")
+    logger.warning("replica call failed: %s: %s", name, cause)
+    return ApiError(503, f"The engine is unavailable ({name})", code="engine_unavailable")
+
+
+def replica_cause_message(exc: BaseException) -> str:
+    return replica_error(exc).message

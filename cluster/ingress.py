@@ -1,10 +1,12 @@
 """Ingress: the OpenAI-compatible HTTP API, a Ray Serve deployment over FastAPI.
 
 Per request: auth -> read the body (size-bounded) -> validate (pydantic, then
-SamplingParams) -> chat template -> tokenize -> check the context length -> send
-token ids to an EngineReplica through a Serve handle -> text deltas (cluster/relay)
--> SSE events or one JSON body. All checks happen BEFORE the replica is called;
-errors are OpenAI-shaped 4xx (cluster/errors), never a traceback.
+SamplingParams) -> chat template -> tokenize (off the event loop, after a cheap
+length check) -> check the context length -> admit an `EngineRequest` on an
+EngineReplica through a Serve handle -> deltas on the per-step channel
+(cluster/channels, cluster/relay) -> text deltas -> SSE events or one JSON body.
+All checks happen BEFORE the replica is called; errors are OpenAI-shaped 4xx
+(cluster/errors), never a traceback.
 """
 # NOTE: no `from __future__ import annotations` here: FastAPI must see `Request`
 # as a class, not a string, through Serve's class-based views.
@@ -26,9 +28,13 @@ from starlette.responses import JSONResponse, StreamingResponse
 from cluster.errors import ApiError, bad_request
 from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                      validation_error_message)
-from cluster.relay import Relay, aclosing, open_replica_stream, replica_error
+from cluster.channels import ChannelHub
+from cluster.errors import replica_error
+from cluster.relay import Relay
 from cluster.sse import SSE_HEADERS, ChatFormatter, CompletionFormatter
 from cluster.streaming import json_body, sse_events
+from cluster.wire import EngineRequest
+from deltas.text_stream import TextStream
 
 logger = logging.getLogger("ray.serve")
 
@@ -102,13 +108,6 @@ async def _await(response) -> object:
     return await response
 
 
-async def _await_quietly(response) -> None:
-    try:
-        await response
-    except Exception:  # an abort that reaches a finished or dead replica is no news
-        pass
-
-
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"The request body is larger than {limit} bytes",
                     code="request_too_large")
@@ -144,6 +143,38 @@ def _check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len
     return max_tokens
 
 
+def _prompt_chars(req, chat: bool) -> int:
+    """Characters the prompt holds (0 for token ids): a bound on its tokens."""
+    if chat:
+        return sum(len(m.get("content") or "") if isinstance(m.get("content"), str)
+                   else len(str(m.get("content"))) for m in req.template_messages())
+    return len(req.prompt) if isinstance(req.prompt, str) else 0
+
+
+def _max_token_chars(tokenizer) -> int | None:
+    """The most characters one token can stand for (None: unknown)."""
+    table = tokenizer.byte_table
+    if table is None:
+        return None
+    return max(1, max(len(b) for b in table.piece_bytes))
+
+
+def _ingress_identity() -> tuple[str, object]:
+    """A channel owner id unique to this ingress replica's life, and its actor handle
+    (the engine replicas ping it to notice that it died)."""
+    import ray
+
+    try:
+        replica_id = serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        replica_id = "local"
+    try:
+        handle = ray.get_runtime_context().current_actor
+    except Exception:  # not inside an actor (tests)
+        handle = None
+    return f"{replica_id}-{uuid.uuid4().hex[:8]}", handle
+
+
 def _sampling_params(fields: dict, vocab_size: int) -> dict:
     """Validate with the engine's own SamplingParams (it names the field)."""
     from replicas.config import SamplingParams
@@ -159,29 +190,65 @@ def _sampling_params(fields: dict, vocab_size: int) -> dict:
     return fields
 
 
+HEALTH_CACHE_TTL_S = 1.0
+
+
+class _HealthCache:
+    """The engine's health as /health reports it. /health is open without a key, so
+    however often it is hit, the engine is asked at most once per `ttl_s`, by one
+    check that every hit meanwhile shares."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._checked_at = float("-inf")
+        self._error: str | None = None  # None: healthy
+        self._check_task: asyncio.Task | None = None
+
+    async def error(self, engine) -> str | None:
+        if time.monotonic() - self._checked_at < self._ttl_s:
+            return self._error
+        if self._check_task is None:
+            self._check_task = asyncio.ensure_future(self._check(engine))
+        # NOTE: shielded: a client hanging up must not cancel the check others wait on.
+        await asyncio.shield(self._check_task)
+        return self._error
+
+    async def _check(self, engine) -> None:
+        try:
+            await asyncio.wait_for(_await(engine.health.remote()), timeout=10.0)
+            error = None
+        except Exception as e:
+            logger.warning("health check failed: %r", e)
+            error = type(e).__name__
+        self._error, self._checked_at, self._check_task = error, time.monotonic(), None
+
+
 # NOTE: the class comes last: serve.ingress copies the route methods with a snapshot
 # of the module globals taken here, so every helper they use must be defined above.
 @serve.deployment(name="Ingress", max_ongoing_requests=1000)
 @serve.ingress(app)
 class Ingress:
     def __init__(self, engine, served_model_name: str, model: str,
-                 api_key: str | None = None, min_chunk_interval_ms: float | None = None,
+                 api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key_sha256: str | None = None,
                  request_timeout_s: float | None = None) -> None:
         from deltas.tokenizer import Tokenizer
         from replicas.presets import resolve_tokenizer_dir
 
         self._engine = engine
-        self._engine_stream = engine.options(stream=True)
+        # NOTE: by value (gRPC), not through the object store: per-request and
+        # per-step messages are small, and the store's round trip costs more.
+        self._engine_stream = engine.options(stream=True, _by_reference=False)
+        owner, owner_handle = _ingress_identity()
+        self._channels = ChannelHub(self._engine_stream, owner, owner_handle)
         self._served_model_name = served_model_name
         self._model = model
         self._tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(model))
-        self._min_chunk_interval_ms = min_chunk_interval_ms
+        self._max_token_chars = _max_token_chars(self._tokenizer)
         self._max_body_bytes = max_body_bytes
         self._request_timeout_s = request_timeout_s
         self._model_info: dict | None = None
         self._created = int(time.time())
-        self._background: set[asyncio.Task] = set()
         app.state.api_key_digest = _key_digest(api_key, api_key_sha256)
         self._metrics = None
         try:
@@ -194,11 +261,12 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        try:
-            await asyncio.wait_for(_await(self._engine.health.remote()), timeout=10.0)
-        except Exception as e:
-            logger.warning("health check failed: %r", e)
-            return ApiError(503, f"engine unhealthy: {type(e).__name__}",
+        cache = getattr(self, "_health_cache", None)
+        if cache is None:  # made on first use: one per ingress replica
+            cache = self._health_cache = _HealthCache(HEALTH_CACHE_TTL_S)
+        error = await cache.error(self._engine)
+        if error is not None:
+            return ApiError(503, f"engine unhealthy: {error}",
                             code="engine_unavailable").response()
         return JSONResponse({"status": "ok"})
 
@@ -240,24 +308,22 @@ class Ingress:
                            f"serves '{self._served_model_name}'", param="model",
                            code="model_not_found")
         info = await self._info()
-        prompt_ids = self._prompt_ids(req, chat, info["vocab_size"])
+        self._check_prompt_chars(req, chat, info["max_model_len"])
+        # NOTE: off the event loop: a long prompt or chat template must not stall
+        # every other stream of this ingress.
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, req, chat, info["vocab_size"])
         max_tokens = req.requested_max_tokens if chat else req.max_tokens
         logprobs = req.num_logprobs if chat else req.logprobs
         max_tokens = _check_context(len(prompt_ids), max_tokens, info["max_model_len"])
         sampling = _sampling_params(req.sampling_dict(max_tokens, logprobs), info["vocab_size"])
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         started_at = time.monotonic()
-        replica_request = {"request_id": request_id, "prompt_token_ids": prompt_ids,
-                           "sampling_params": sampling}
-        if self._min_chunk_interval_ms is not None:
-            replica_request["min_chunk_interval_ms"] = self._min_chunk_interval_ms
-        gen, first = await open_replica_stream(self._engine_stream, replica_request)
-        from deltas.text_stream import TextStream
+        engine_request = EngineRequest(request_id, prompt_ids, sampling, self._channels.owner)
         text_stream = TextStream(self._tokenizer, stop=req.stop_strings,
                                  include_stop_str_in_output=req.include_stop_str_in_output,
                                  skip_special_tokens=req.skip_special_tokens)
-        relay = Relay(request_id, gen, first, text_stream, self._abort_on_replica,
-                      timeout_s=self._request_timeout_s)
+        relay = await Relay.open(self._engine_stream, self._channels, engine_request,
+                                 text_stream, timeout_s=self._request_timeout_s)
         formatter_cls = ChatFormatter if chat else CompletionFormatter
         formatter = formatter_cls(request_id, self._served_model_name, int(time.time()),
                                   include_usage=req.include_usage)
@@ -269,6 +335,20 @@ class Ingress:
                                      headers=SSE_HEADERS)
         return JSONResponse(await json_body(relay, formatter, chat, token_text,
                                             len(prompt_ids)))
+
+    def _check_prompt_chars(self, req, chat: bool, max_model_len: int) -> None:
+        """400 before tokenizing a prompt too long for the context whatever it holds."""
+        if self._max_token_chars is None:
+            return
+        # NOTE: x4 headroom for normalizers that drop characters.
+        max_chars = max_model_len * self._max_token_chars * 4
+        num_chars = _prompt_chars(req, chat)
+        if num_chars > max_chars:
+            raise bad_request(
+                f"The prompt has {num_chars} characters, more than this model's maximum "
+                f"context length of {max_model_len} tokens can hold (at most {max_chars} "
+                "characters). Please shorten the prompt.",
+                "messages" if chat else "prompt", "context_length_exceeded")
 
     def _prompt_ids(self, req, chat: bool, vocab_size: int) -> list[int]:
         if chat:
@@ -311,11 +391,6 @@ class Ingress:
     def _authorize(self, request: Request) -> None:
         if not _is_authorized(request):
             raise _unauthorized()
-
-    def _abort_on_replica(self, request_id: str) -> None:
-        task = asyncio.ensure_future(_await_quietly(self._engine.abort.remote(request_id)))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _count(self, route: str, status: int) -> None:
         if self._metrics is not None:

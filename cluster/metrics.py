@@ -5,8 +5,8 @@ are prefixed `stepstream_`; Ray adds its own `ray_` prefix on export.
 
 NOTE: a Ray metric record costs tens of microseconds (more than formatting an
 SSE event), so the hot path records one value per event (the ITL) and everything
-else once per request: tokens per event and per replica chunk are per-request
-means.
+else once per request (tokens per event is a per-request mean) or once per
+second (replica counters, from the stats thread).
 """
 from __future__ import annotations
 
@@ -70,16 +70,19 @@ class ReplicaMetrics:
             tag_keys=("model",))
         self.prefix_cache_hit_rate.set_default_tags(tags)
         self.num_cached_blocks.set_default_tags(tags)
-        self.chunks = metrics.Counter(
-            "stepstream_replica_chunks", "Chunks streamed from replicas to the ingress",
+        self.step_messages = metrics.Counter(
+            "stepstream_replica_step_messages",
+            "Per-step channel messages sent to ingress replicas", tag_keys=("model",))
+        self.deltas_sent = metrics.Counter(
+            "stepstream_replica_deltas_sent",
+            "Request deltas carried by per-step channel messages", tag_keys=("model",))
+        self.num_channels = metrics.Gauge(
+            "stepstream_replica_channels", "Ingress replicas with an outbox on this replica",
             tag_keys=("model",))
-        self.tokens_per_chunk = metrics.Histogram(
-            "stepstream_replica_tokens_per_chunk",
-            "Mean tokens per replica chunk, per request",
-            boundaries=_TOKENS, tag_keys=("model",))
-        for m in (self.num_running, self.num_waiting, self.kv_cache_usage, self.chunks,
-                  self.tokens_per_chunk):
+        for m in (self.num_running, self.num_waiting, self.kv_cache_usage, self.step_messages,
+                  self.deltas_sent, self.num_channels):
             m.set_default_tags(tags)
+        self._last_totals = {"num_step_messages_sent": 0, "num_deltas_sent": 0}
 
     def record_stats(self, stats: dict) -> None:
         self.num_running.set(stats.get("num_running", 0))
@@ -87,3 +90,12 @@ class ReplicaMetrics:
         self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
         self.prefix_cache_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
         self.num_cached_blocks.set(stats.get("num_cached_blocks", 0))
+        self.num_channels.set(stats.get("num_outboxes", 0))
+        # NOTE: counters advance by what was sent since the last record, not per
+        # message: a Ray metric record costs more than sending a step message.
+        for key, counter in (("num_step_messages_sent", self.step_messages),
+                             ("num_deltas_sent", self.deltas_sent)):
+            total = stats.get(key, 0)
+            if total > self._last_totals[key]:
+                counter.inc(total - self._last_totals[key])
+                self._last_totals[key] = total

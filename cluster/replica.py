@@ -1,28 +1,31 @@
 """EngineReplica: a Ray Serve deployment that owns one AsyncEngine.
 
-Token ids in, token deltas out. The engine (and torch) is imported inside the
-constructor, so this module loads on CPU-only nodes.
+Token ids in, token deltas out, over two kinds of calls:
 
-Chunking. Ray Serve pays a fixed cost per streamed chunk (in this replica, the
-ingress and the proxy), and a replica's yields never block: Serve queues every
-chunk and sends them one by one. So a stream sends, after its first token (at
-once), one chunk per `get` from the engine's per-request collector, which merges
-everything the engine produced since the last one; and a chunk budget per
-replica, `max_chunks_per_s`, shared by its active streams, spaces each stream's
-chunks: at 1 stream every token is its own chunk, at 200 streams chunks grow
-instead of the CPU the hops take from the engine. `min_chunk_interval_ms` is a
-floor per stream. Chunks are plain lists (cluster/wire.py), which Ray packs
-with msgpack alone. `stream_merge=False` sends one chunk per token (the baseline
-the benchmark compares against).
+- `generate(request)`, one per request, routed by Serve (power of two choices,
+  `max_ongoing_requests`, queue bounds, autoscaling and drain all count real
+  requests): it validates and admits the request (refusals raise before anything
+  is streamed), streams one item, this replica's id, and stays open until the
+  request has ended. Cancelling it (client gone, stop string, timeout) aborts
+  the request in the engine and frees its KV blocks.
+- `channel(owner)`, one per (ingress replica, engine replica) pair, pinned to
+  this replica by `cluster.routing.PinnedRouter`: a greeting, then one message
+  per engine step carrying every delta of that ingress's requests
+  (`cluster/outbox.py`, `cluster/wire.py`). It ends after `channel_idle_close_s`
+  without requests, so an idle channel never holds a draining replica; the
+  ingress reopens it on demand.
 
-Cancellation. When the ingress cancels the stream (client gone, stop string),
-Serve cancels this method's task: CancelledError arrives at an `await` or at the
-`yield`, and the `finally` aborts the request in the engine, which frees its KV
-blocks at the next step.
+An ingress that dies leaves requests nobody reads: the replica pings the owner
+of each channel and aborts the requests of an owner that is dead, or that left
+them without a channel for `ingress_detach_timeout_s`.
+
+The engine (and torch) is imported inside the constructor, so this module loads
+on CPU-only nodes.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -32,38 +35,22 @@ from ray import serve
 
 from cluster.errors import ReplicaOverloaded, ReplicaRejected, ReplicaUnavailable
 from cluster.faults import FaultInjector, fault_injection_enabled
-from cluster.wire import encode_delta
-from deltas.types import TokenDelta
+from cluster.outbox import OutboxRegistry, OutboxSink, StepOutbox
+from cluster.owner_liveness import find_dead_owners
+from cluster.wire import EngineRequest
 
 logger = logging.getLogger("ray.serve")
 
-
-def split_per_token(delta: TokenDelta) -> list[TokenDelta]:
-    """One delta per token (the no-merge baseline); finish info on the last one."""
-    n = len(delta.token_ids)
-    if n <= 1:
-        return [delta]
-    base = delta.num_output_tokens - n
-    out = []
-    for i, tid in enumerate(delta.token_ids):
-        last = i == n - 1
-        out.append(TokenDelta(
-            delta.request_id, [tid],
-            logprobs=None if delta.logprobs is None else delta.logprobs[i:i + 1],
-            top_logprobs=None if delta.top_logprobs is None else delta.top_logprobs[i:i + 1],
-            finish_reason=delta.finish_reason if last else None,
-            stop_reason=delta.stop_reason if last else None,
-            num_prompt_tokens=delta.num_prompt_tokens,
-            num_output_tokens=base + i + 1,
-            error=delta.error if last else None))
-    return out
+_COUNTS = ("num_requests_admitted", "num_requests_refused", "num_requests_finished",
+           "num_requests_cancelled", "num_requests_orphaned", "num_channels_opened",
+           "num_step_messages_sent", "num_deltas_sent")
 
 
 @serve.deployment(name="EngineReplica", max_ongoing_requests=512,
                   health_check_period_s=10, health_check_timeout_s=30)
 class EngineReplica:
-    def __init__(self, engine_config: dict, stream_merge: bool = True,
-                 min_chunk_interval_ms: float = 0.0, max_chunks_per_s: float = 0.0,
+    def __init__(self, engine_config: dict, channel_idle_close_s: float = 5.0,
+                 ingress_detach_timeout_s: float = 30.0, owner_check_interval_s: float = 2.0,
                  stats_interval_s: float = 1.0, stall_timeout_s: float | None = None,
                  enable_fault_injection: bool = False,
                  engine_factory: Callable[[Any], Any] | None = None) -> None:
@@ -77,15 +64,12 @@ class EngineReplica:
             self._engine.stall_timeout_s = stall_timeout_s
         self._faults = (FaultInjector(self._engine)
                         if fault_injection_enabled(enable_fault_injection) else None)
-        self._stream_merge = stream_merge
-        self._min_chunk_interval_s = max(0.0, min_chunk_interval_ms) / 1000.0
-        self._max_chunks_per_s = max(0.0, max_chunks_per_s)
-        self._num_active_streams = 0
+        self._channel_idle_close_s = channel_idle_close_s
+        self._owner_check_interval_s = owner_check_interval_s
+        self._outboxes = OutboxRegistry(ingress_detach_timeout_s)
+        self._sweeper: asyncio.Task | None = None
         self._model = config.model
-        self._counts = {"num_streams_refused": 0, "num_streams_started": 0,
-                        "num_streams_finished": 0,
-                        "num_streams_cancelled": 0, "num_chunks_sent": 0,
-                        "num_tokens_sent": 0}
+        self._counts = dict.fromkeys(_COUNTS, 0)
         self._replica_id = _replica_id()
         self._metrics = None
         self._stop_stats = threading.Event()
@@ -99,70 +83,127 @@ class EngineReplica:
             daemon=True)
         self._stats_thread.start()
 
-    # ---- Serve streaming method -------------------------------------------------
+    # ---- per request: admission -------------------------------------------------
 
-    async def generate(self, request: dict):
-        """Stream TokenDeltas (as `cluster.wire` lists) for {request_id,
-        prompt_token_ids, sampling_params, [min_chunk_interval_ms]}. Bad input raises
-        ReplicaRejected and a full engine queue ReplicaOverloaded, both before the
-        first chunk."""
-        request_id, stream = self._open_stream(request)
-        interval_ms = request.get("min_chunk_interval_ms")
-        min_interval_s = self._min_chunk_interval_s if interval_ms is None else interval_ms / 1000.0
-        try:
-            delta = await self._first_delta(stream)
-        except (ReplicaRejected, ReplicaOverloaded, ReplicaUnavailable):
-            self._counts["num_streams_refused"] += 1
-            await _close_quietly(stream)
-            raise
-        except BaseException:  # cancelled before the first token: closing aborts it
-            await _close_quietly(stream)
-            self._engine.abort(request_id)
-            raise
-        self._counts["num_streams_started"] += 1
-        self._num_active_streams += 1
+    async def generate(self, request: list):
+        """Admit an `EngineRequest` (wire list) and stream this replica's id; stay
+        open until the request ended. Bad input raises ReplicaRejected, a full
+        engine queue ReplicaOverloaded and a dead engine ReplicaUnavailable, before
+        anything is streamed. Deltas travel on the owner's channel."""
+        req = EngineRequest.from_wire(request)
+        self._start_sweeper()
+        outbox = self._outboxes.get(req.owner)
+        done = self._admit(req, outbox)
+        self._counts["num_requests_admitted"] += 1
         finished = False
-        num_chunks = num_tokens = 0
         try:
-            while True:
-                finished = delta.finish_reason is not None
-                if self._stream_merge:
-                    sent_at = time.monotonic()
-                    num_chunks += 1
-                    num_tokens += len(delta.token_ids)
-                    yield encode_delta(delta)
-                    if finished:
-                        break
-                    # Meanwhile the engine's collector merges what the engine makes.
-                    wait_s = sent_at + self._chunk_interval_s(min_interval_s) - time.monotonic()
-                    if wait_s > 0:
-                        await asyncio.sleep(wait_s)
-                else:
-                    for one in split_per_token(delta):
-                        num_chunks += 1
-                        num_tokens += 1 if one.token_ids else 0
-                        yield encode_delta(one)
-                    if finished:
-                        break
-                try:
-                    delta = await stream.__anext__()
-                except StopAsyncIteration:  # the engine ended the stream without a finish
-                    finished = True
-                    break
+            yield self._replica_id
+            await done
+            finished = True
         finally:
-            self._num_active_streams -= 1
-            self._count_stream(finished, num_chunks, num_tokens)
+            self._engine.release(req.request_id)
             if not finished:
-                self._engine.abort(request_id)
-            await _close_quietly(stream)
+                self._engine.abort(req.request_id)
+                outbox.discard(req.request_id)
+            self._counts["num_requests_finished" if finished else "num_requests_cancelled"] += 1
 
-    def _chunk_interval_s(self, min_interval_s: float) -> float:
-        """The least time between two chunks of one stream: the request's floor, and
-        this replica's chunk budget shared by its active streams (so at high load
-        chunks grow instead of the CPU time spent per chunk)."""
-        if self._max_chunks_per_s <= 0:
-            return min_interval_s
-        return max(min_interval_s, self._num_active_streams / self._max_chunks_per_s)
+    def _admit(self, req: EngineRequest, outbox: StepOutbox) -> asyncio.Future:
+        from replicas.async_engine import EngineDeadError, EngineOverloaded
+        from replicas.config import SamplingParams
+
+        done = outbox.add(req.request_id)
+        try:
+            params = SamplingParams(**req.sampling_params)
+            self._engine.submit(req.request_id, req.prompt_token_ids, params,
+                                OutboxSink(outbox, req.request_id))
+        except BaseException as e:
+            outbox.discard(req.request_id)
+            self._counts["num_requests_refused"] += 1
+            if isinstance(e, EngineOverloaded):
+                raise ReplicaOverloaded(str(e), float(e.retry_after_s)) from None
+            if isinstance(e, EngineDeadError):  # the ingress must not import torch
+                raise ReplicaUnavailable(str(e)) from None
+            if isinstance(e, (ValueError, TypeError)):
+                raise ReplicaRejected(str(e)) from None
+            raise
+        return done
+
+    # ---- per ingress: the per-step channel ---------------------------------------
+
+    async def channel(self, owner: str, owner_handle: Any = None,
+                      pin_replica_id: str | None = None):
+        """Stream step messages for ingress `owner`: first `[]` (the greeting),
+        then one list of encoded deltas per engine step with news for it.
+        `owner_handle` (the ingress's Ray actor) lets this replica notice its death;
+        `pin_replica_id` is read by the router, not here."""
+        self._start_sweeper()
+        outbox = self._outboxes.get(owner)
+        if owner_handle is not None:
+            self._outboxes.owner_handles[owner] = owner_handle
+        outbox.channel_epoch += 1
+        epoch = outbox.channel_epoch
+        outbox.interrupt()  # an older channel of this ingress ends
+        outbox.detached_since = None
+        self._counts["num_channels_opened"] += 1
+        counts = self._counts
+        try:
+            yield []
+            while not outbox.is_closed and outbox.channel_epoch == epoch:
+                if outbox.num_live_requests == 0:
+                    try:
+                        await asyncio.wait_for(outbox.wait(), self._channel_idle_close_s)
+                    except asyncio.TimeoutError:
+                        if outbox.num_live_requests == 0:
+                            return
+                else:
+                    await outbox.wait()
+                if outbox.is_closed or outbox.channel_epoch != epoch:
+                    return
+                message = outbox.take_message()
+                if message:
+                    counts["num_step_messages_sent"] += 1
+                    counts["num_deltas_sent"] += len(message)
+                    yield message
+        finally:
+            if outbox.channel_epoch == epoch:
+                outbox.detached_since = time.monotonic()
+
+    # ---- orphaned requests -------------------------------------------------------
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            # NOTE: a fresh context: a task started inside a request's context would
+            # be cancelled with that request.
+            self._sweeper = asyncio.get_running_loop().create_task(
+                self._sweep_loop(), context=contextvars.Context())
+
+    async def _sweep_loop(self) -> None:
+        while len(self._outboxes):
+            await asyncio.sleep(self._owner_check_interval_s)
+            try:
+                await self._sweep()
+            except Exception:  # never let the sweeper die of one bad round
+                logger.warning("outbox sweep failed", exc_info=True)
+
+    async def _sweep(self) -> None:
+        now = time.monotonic()
+        for outbox in self._outboxes.stale(now):
+            self._orphan(outbox, f"no channel for {self._outboxes.detach_timeout_s:g} s")
+        dead = await find_dead_owners(self._outboxes.owner_handles,
+                                      timeout_s=self._owner_check_interval_s * 5)
+        for owner in dead:
+            for outbox in self._outboxes:
+                if outbox.owner == owner:
+                    self._orphan(outbox, "its ingress replica died")
+
+    def _orphan(self, outbox: StepOutbox, why: str) -> None:
+        request_ids = self._outboxes.close(outbox)
+        for request_id in request_ids:
+            self._engine.abort(request_id)
+        if request_ids:
+            self._counts["num_requests_orphaned"] += len(request_ids)
+            logger.warning("aborted %d requests of ingress %s: %s", len(request_ids),
+                           outbox.owner, why)
 
     # ---- unary methods ----------------------------------------------------------
 
@@ -176,7 +217,8 @@ class EngineReplica:
                 "eos_token_ids": list(self._engine.eos_token_ids)}
 
     def stats(self) -> dict:
-        return {**self._engine.stats(), **self._counts, "replica_id": self._replica_id}
+        return {**self._engine.stats(), **self._counts, "replica_id": self._replica_id,
+                "num_outboxes": len(self._outboxes)}
 
     def check_health(self) -> None:
         """Serve's health check: raises when the engine thread died or stalled.
@@ -216,58 +258,14 @@ class EngineReplica:
 
     # ---- internals --------------------------------------------------------------
 
-    def _open_stream(self, request: dict):
-        from replicas.config import SamplingParams
-
-        request_id = request["request_id"]
-        params = request.get("sampling_params") or {}
-        try:
-            if isinstance(params, dict):
-                params = SamplingParams(**params)
-            stream = self._engine.generate(request_id, list(request["prompt_token_ids"]),
-                                           params)
-        except (ValueError, TypeError) as e:
-            raise ReplicaRejected(str(e)) from None
-        return request_id, stream
-
-    async def _first_delta(self, stream) -> TokenDelta:
-        from replicas.async_engine import EngineDeadError, EngineOverloaded
-
-        try:
-            return await stream.__anext__()
-        except EngineOverloaded as e:
-            raise ReplicaOverloaded(str(e), float(getattr(e, "retry_after_s", 1.0))) from None
-        except EngineDeadError as e:  # a cluster exception: the ingress must not import torch
-            raise ReplicaUnavailable(str(e)) from None
-        except ValueError as e:
-            raise ReplicaRejected(str(e)) from None
-
-    def _count_stream(self, finished: bool, num_chunks: int, num_tokens: int) -> None:
-        counts = self._counts
-        counts["num_streams_finished" if finished else "num_streams_cancelled"] += 1
-        counts["num_chunks_sent"] += num_chunks
-        counts["num_tokens_sent"] += num_tokens
-        # NOTE: once per stream, not per chunk: a Ray metric record costs more than
-        # everything else this replica does for a chunk.
-        if self._metrics is not None and num_chunks:
-            self._metrics.chunks.inc(num_chunks)
-            self._metrics.tokens_per_chunk.observe(num_tokens / num_chunks)
-
     def _stats_loop(self, interval_s: float) -> None:
         while not self._stop_stats.wait(interval_s):
             if self._metrics is None:
                 return
             try:
-                self._metrics.record_stats(self._engine.stats())
+                self._metrics.record_stats(self.stats())
             except Exception:  # never let a metrics hiccup kill the thread
                 logger.debug("replica stats failed", exc_info=True)
-
-
-async def _close_quietly(stream) -> None:
-    try:
-        await stream.aclose()
-    except Exception:
-        pass
 
 
 def _replica_id() -> str:

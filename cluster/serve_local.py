@@ -3,7 +3,12 @@
 Starts a local Ray (logical CPUs fixed by --num-cpus), Serve's HTTP proxy on
 --host/--port, and the app of `cluster.app.build_app`; waits until /health
 answers, prints the URL and a curl line that streams a completion, and serves
-until SIGINT/SIGTERM, then shuts Serve and Ray down.
+until SIGINT/SIGTERM, then shuts Serve and Ray down, in that order, and exits 0.
+
+The API key comes from the env var STEPSTREAM_API_KEY (or --api-key, which the
+process list shows) and reaches the app as its SHA-256 only. Without a key the
+app serves on a loopback --host only, unless --allow-unauthenticated
+(cluster/access.py).
 
 Flags override `--config` (a Serve config YAML whose first application's `args`
 and `http_options` are the base); without a config the defaults are those of
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -21,6 +27,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+
+from cluster.access import API_KEY_ENV, check_access
 
 APP_NAME = "stepstream"
 
@@ -36,20 +44,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-scheduler-steps", type=int)
     p.add_argument("--release-per-window", action="store_true",
                    help="release tokens at the end of each multi-step window, not per step")
-    p.add_argument("--no-stream-merge", action="store_true",
-                   help="one chunk per token between replica and ingress (baseline)")
     p.add_argument("--no-async-output", action="store_true")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--min-chunk-interval-ms", type=float)
-    p.add_argument("--max-chunks-per-s", type=float,
-                   help="chunk budget per engine replica, shared by its streams (0: none)")
     p.add_argument("--num-engine-replicas", type=int)
+    p.add_argument("--num-ingress-replicas", type=int)
     p.add_argument("--engine-num-cpus", type=float)
     p.add_argument("--num-threads", type=int, help="torch threads per engine replica")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' "
-                   "(default: env STEPSTREAM_API_KEY)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>'; better the env "
+                   "var STEPSTREAM_API_KEY (a flag shows in the process list)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve without an API key on a non-loopback --host")
     p.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray")
     p.add_argument("--verbose", action="store_true", help="show Ray workers' logs here")
     return p.parse_args(argv)
@@ -70,16 +76,14 @@ def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
     flags = {"model": ns.model, "served_model_name": ns.served_model_name,
              "num_scheduler_steps": ns.num_scheduler_steps, "max_num_seqs": ns.max_num_seqs,
              "max_model_len": ns.max_model_len, "num_kv_blocks": ns.num_kv_blocks,
-             "min_chunk_interval_ms": ns.min_chunk_interval_ms,
-             "max_chunks_per_s": ns.max_chunks_per_s,
              "num_engine_replicas": ns.num_engine_replicas,
+             "num_ingress_replicas": ns.num_ingress_replicas,
              "engine_num_cpus": ns.engine_num_cpus, "num_threads": ns.num_threads,
-             "api_key": ns.api_key}
+             "allow_unauthenticated": ns.allow_unauthenticated or None}
     args.update({k: v for k, v in flags.items() if v is not None})
+    _use_key(args, ns.api_key or os.environ.get(API_KEY_ENV))
     if ns.release_per_window:
         args["release_per_step"] = False
-    if ns.no_stream_merge:
-        args["stream_merge"] = False
     if ns.no_async_output:
         args["async_output"] = False
     host = ns.host or http.get("host") or "127.0.0.1"
@@ -87,15 +91,39 @@ def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
     return args, host, port
 
 
-def wait_healthy(base: str, timeout_s: float) -> None:
+def _use_key(args: dict, key: str | None) -> None:
+    """The key of --api-key or the environment goes on as its SHA-256 only, so no
+    secret sits in the app's arguments; it replaces a key of the config file."""
+    if not key:
+        return
+    args.pop("api_key", None)
+    args["api_key_sha256"] = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def wait_healthy(base: str, timeout_s: float, stop: threading.Event | None = None) -> bool:
+    """True once /health answers 200; False if `stop` is set first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            return False
         with contextlib.suppress(urllib.error.URLError, OSError):
             with urllib.request.urlopen(base + "/health", timeout=5) as r:
                 if r.status == 200:
-                    return
+                    return True
         time.sleep(0.5)
     raise TimeoutError(f"{base}/health did not answer 200 within {timeout_s:.0f}s")
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    """SIGINT/SIGTERM ask for a clean shutdown; a second one is not graceful."""
+    def handler(signum, frame):
+        if stop.is_set():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        stop.set()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
 def curl_line(base: str, model: str, has_key: bool) -> str:
@@ -108,6 +136,9 @@ def curl_line(base: str, model: str, has_key: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
+    if ns.api_key:
+        print(f"warning: --api-key shows in the process list; prefer the env var {API_KEY_ENV}",
+              file=sys.stderr, flush=True)
     args, host, port = app_args(ns)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
@@ -116,28 +147,39 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.app import AppArgs, make_app
 
     app_cfg = AppArgs.model_validate(args)  # fail fast, before Ray starts
+    has_key = bool(app_cfg.api_key or app_cfg.api_key_sha256)
+    try:
+        warning = check_access(host, has_key, app_cfg.allow_unauthenticated)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     num_engines = app_cfg.num_engine_replicas
     num_cpus = ns.num_cpus or max(os.cpu_count() or 2,
                                   int(num_engines * app_cfg.engine_num_cpus + 1))
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    _stop_on_signals(stop)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=ns.verbose)
+    # NOTE: again: ray.init installs its own SIGTERM handler (sys.exit(15)).
+    _stop_on_signals(stop)
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(make_app(app_cfg), name=APP_NAME, route_prefix="/", blocking=False)
         base = f"http://{host}:{port}"
-        wait_healthy(base, timeout_s=600)
-        has_key = bool(app_cfg.api_key or os.environ.get("STEPSTREAM_API_KEY"))
-        print(f"Serving at {base}/v1", flush=True)
-        print(curl_line(base, app_cfg.name_served, has_key), flush=True)
-        while not stop.wait(1.0):
-            pass
+        if not stop.is_set():
+            serve.start(http_options={"host": host, "port": port})
+            serve.run(make_app(app_cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        if not stop.is_set() and wait_healthy(base, timeout_s=600, stop=stop):
+            print(f"Serving at {base}/v1", flush=True)
+            print(curl_line(base, app_cfg.name_served, has_key), flush=True)
+            while not stop.wait(1.0):
+                pass
         print("Shutting down", flush=True)
     finally:
+        # Serve first (it drains and stops its replicas), then Ray.
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+    print("Stopped", flush=True)
     return 0
 
 

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from deltas.collector import DeltaCollector
+from deltas.collector import DeltaCollector, DeltaSink
 from deltas.types import FinishReason, OutputKind, TokenDelta
 from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_core import EngineCore
@@ -45,7 +45,7 @@ class AsyncEngine:
         self._is_stopping = False
         self._error: str | None = None
         self._last_progress = time.monotonic()
-        self._active: dict[str, DeltaCollector] = {}
+        self._active: dict[str, DeltaSink] = {}  # asyncio side only
         self.fault_hook: Callable[[], None] | None = None  # tests inject faults here
         self._thread = threading.Thread(target=self._run, name="stepstream-engine", daemon=True)
         self._thread.start()
@@ -67,17 +67,33 @@ class AsyncEngine:
     def eos_token_ids(self) -> list[int]:
         return list(self.core.eos_token_ids)
 
-    # -- streams ----------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    # -- requests -------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               sink: DeltaSink) -> None:
+        """Queue a request whose deltas go to `sink` (one `put` per step, merged by
+        the sink while its reader is behind). Raises before queueing: ValueError
+        for bad input, EngineOverloaded past the queue bounds, EngineDeadError.
+        The caller calls `release(request_id)` once it is done with the request
+        (after the finished delta, or after `abort`)."""
         self._raise_if_dead()
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_overload(len(prompt_token_ids) if isinstance(prompt_token_ids, list) else 0)
-        collector = DeltaCollector(request_id)
-        req = self.core.make_request(request_id, prompt_token_ids, params, collector)
-        self._active[request_id] = collector
+        req = self.core.make_request(request_id, prompt_token_ids, params, sink)
+        self._active[request_id] = sink
         self._send("add", req)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's sink (asyncio side); an unfinished request is aborted."""
+        if self._active.pop(request_id, None) is not None:
+            self.abort(request_id)  # NOTE: idempotent: a finished request ignores it
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Stream one request's deltas (DELTA, CUMULATIVE or FINAL_ONLY, as its
+        params say). Closing or cancelling the stream aborts the request."""
+        collector = DeltaCollector(request_id)
+        self.submit(request_id, prompt_token_ids, params, collector)
         kind = params.output_kind
         is_finished = False
         all_ids: list[int] = []
@@ -99,9 +115,10 @@ class AsyncEngine:
                 if is_finished:
                     return
         finally:
-            self._active.pop(request_id, None)
-            if not is_finished:
-                self.abort(request_id)
+            if is_finished:
+                self._active.pop(request_id, None)
+            else:
+                self.release(request_id)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe and idempotent; the request ends within one engine step."""

@@ -173,32 +173,22 @@ def test_wire_format_round_trips_and_packs_without_pickle():
     from ray._private.serialization import SerializationContext
     from ray._private.worker import global_worker
 
-    from cluster.wire import decode_delta, encode_delta
+    from cluster.wire import EngineRequest, decode_delta, encode_delta
 
     delta = TokenDelta("r", [1, 2], logprobs=[-0.1, -0.2], top_logprobs=[[(1, -0.1)], [(2, -0.2)]],
                        finish_reason=FinishReason.STOP, stop_reason=3, num_prompt_tokens=4,
                        num_output_tokens=2)
     item = encode_delta(delta)
-    assert decode_delta("r", item) == delta
+    assert decode_delta(item) == delta
     plain = TokenDelta("r", [7], num_output_tokens=1)
-    assert decode_delta("r", encode_delta(plain)) == plain
-    # msgpack alone ("XLANG"), not the cloudpickle fallback ("PYTHON").
+    assert decode_delta(encode_delta(plain)) == plain
+    request = EngineRequest("r", [1, 2], {"max_tokens": 3, "stop_token_ids": (5,)}, "ing-1")
+    assert EngineRequest.from_wire(request.to_wire()).sampling_params["stop_token_ids"] == [5]
+    # A step message and a request pack with msgpack alone ("XLANG"), not the
+    # cloudpickle fallback ("PYTHON").
     ctx = SerializationContext(global_worker)
-    assert ctx.serialize(item).metadata == b"XLANG"
-
-
-def test_split_per_token_keeps_counts_and_finish_on_last():
-    from cluster.replica import split_per_token
-
-    delta = TokenDelta("r", [7, 8, 9], logprobs=[-1.0, -2.0, -3.0],
-                       finish_reason=FinishReason.LENGTH, num_prompt_tokens=5,
-                       num_output_tokens=10)
-    parts = split_per_token(delta)
-    assert [p.token_ids for p in parts] == [[7], [8], [9]]
-    assert [p.num_output_tokens for p in parts] == [8, 9, 10]
-    assert [p.logprobs for p in parts] == [[-1.0], [-2.0], [-3.0]]
-    assert [p.finish_reason for p in parts] == [None, None, FinishReason.LENGTH]
-
+    assert ctx.serialize([item, encode_delta(plain)]).metadata == b"XLANG"
+    assert ctx.serialize(request.to_wire()).metadata == b"XLANG"
 
 def test_app_args_map_onto_engine_config_and_deployment_options():
     from cluster.app import AppArgs
@@ -249,12 +239,13 @@ def test_serve_local_flags_override_config(tmp_path):
 
     args, host, port = app_args(parse_args([
         "--model", "tiny", "--port", "9001", "--num-scheduler-steps", "4",
-        "--release-per-window", "--no-stream-merge", "--no-async-output",
-        "--max-num-seqs", "8", "--num-engine-replicas", "2", "--num-cpus", "4"]))
+        "--release-per-window", "--no-async-output",
+        "--max-num-seqs", "8", "--num-engine-replicas", "2", "--num-ingress-replicas", "2",
+        "--num-cpus", "4"]))
     assert (host, port) == ("127.0.0.1", 9001)
     assert args == {"model": "tiny", "num_scheduler_steps": 4, "max_num_seqs": 8,
-                    "num_engine_replicas": 2, "release_per_step": False,
-                    "stream_merge": False, "async_output": False}
+                    "num_engine_replicas": 2, "num_ingress_replicas": 2,
+                    "release_per_step": False, "async_output": False}
     args, host, port = app_args(parse_args(["--config", "configs/serve.yaml",
                                             "--max-num-seqs", "3"]))
     assert args["model"] == "tiny" and args["max_num_seqs"] == 3 and port == 8000

@@ -188,7 +188,7 @@ def test_64_concurrent_streams_each_equal_offline(server, offline, tokenizer):
 
 
 def test_two_engine_replicas_share_load(server):
-    before = {rid: s["num_streams_started"] for rid, s in all_replica_stats().items()}
+    before = {rid: s["num_requests_admitted"] for rid, s in all_replica_stats().items()}
     assert len(before) == 2
 
     async def burst():
@@ -198,7 +198,7 @@ def test_two_engine_replicas_share_load(server):
                                           for _ in range(24)))
 
     assert all(r.status_code == 200 for r in asyncio.run(burst()))
-    after = {rid: s["num_streams_started"] for rid, s in all_replica_stats().items()}
+    after = {rid: s["num_requests_admitted"] for rid, s in all_replica_stats().items()}
     served = {rid: after[rid] - before.get(rid, 0) for rid in after}
     assert sum(served.values()) == 24
     assert all(n > 0 for n in served.values()), served
@@ -206,7 +206,7 @@ def test_two_engine_replicas_share_load(server):
 
 def test_client_disconnect_aborts_on_replica_and_frees_blocks(server):
     assert wait_until(engines_idle, timeout_s=30)
-    cancelled_before = sum(s["num_streams_cancelled"] for s in all_replica_stats().values())
+    cancelled_before = sum(s["num_requests_cancelled"] for s in all_replica_stats().values())
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1900, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60, headers=AUTH) as c:
@@ -223,9 +223,9 @@ def test_client_disconnect_aborts_on_replica_and_frees_blocks(server):
     assert wait_until(engines_idle, timeout_s=30), all_replica_stats()
     freed_after_s = time.monotonic() - disconnected_at
     stats = all_replica_stats()
-    assert sum(s["num_streams_cancelled"] for s in stats.values()) == cancelled_before + 1
+    assert sum(s["num_requests_cancelled"] for s in stats.values()) == cancelled_before + 1
     # 1900 tokens would take far longer than this at the tiny model's pace.
-    assert sum(s["num_tokens_sent"] for s in stats.values()) > 0
+    assert sum(s["num_deltas_sent"] for s in stats.values()) > 0
     print(f"disconnect -> request aborted and blocks free after {freed_after_s * 1000:.0f} ms")
 
 
@@ -242,7 +242,7 @@ def test_stop_string_across_tokens_cuts_text_and_stops_replica(client, offline, 
             break
     else:
         pytest.skip("no token boundary with 2+2 printable characters in this output")
-    cancelled_before = sum(s["num_streams_cancelled"] for s in all_replica_stats().values())
+    cancelled_before = sum(s["num_requests_cancelled"] for s in all_replica_stats().values())
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500, temperature=0,
                                     stop=[stop], extra_body={"ignore_eos": True})
     assert out.choices[0].text == text[:text.find(stop)]
@@ -255,7 +255,7 @@ def test_stop_string_across_tokens_cuts_text_and_stops_replica(client, offline, 
     # The replica stopped generating: both requests were aborted, nothing is running.
     assert wait_until(engines_idle, timeout_s=30)
     stats = all_replica_stats()
-    assert sum(s["num_streams_cancelled"] for s in stats.values()) == cancelled_before + 2
+    assert sum(s["num_requests_cancelled"] for s in stats.values()) == cancelled_before + 2
 
 
 LONG_PROMPT_IDS = [100] * 2100  # > max_model_len (2048)
@@ -329,8 +329,8 @@ def test_metrics_are_exported_for_prometheus(server):
     wanted = ["stepstream_requests", "stepstream_time_to_first_token_seconds",
               "stepstream_inter_chunk_latency_seconds", "stepstream_time_per_output_token_seconds",
               "stepstream_num_requests_running", "stepstream_num_requests_waiting",
-              "stepstream_kv_cache_usage", "stepstream_replica_chunks",
-              "stepstream_replica_tokens_per_chunk", "stepstream_tokens_per_event"]
+              "stepstream_kv_cache_usage", "stepstream_replica_step_messages",
+              "stepstream_replica_deltas_sent", "stepstream_tokens_per_event"]
 
     def missing():
         try:

@@ -102,7 +102,7 @@ def _assert_complete(results) -> None:
 
 def test_redeploy_with_a_changed_arg_lets_streams_finish(server):
     results, saw_stopping, change_s = _streams_through_a_change(
-        server, {**APP_ARGS, "max_chunks_per_s": 400.0}, num_replicas=2)
+        server, {**APP_ARGS, "channel_idle_close_s": 4.0}, num_replicas=2)
     _assert_complete(results)
     assert saw_stopping, "the old replicas were never stopped while streams ran"
     wait_healthy(server)
@@ -111,7 +111,7 @@ def test_redeploy_with_a_changed_arg_lets_streams_finish(server):
 
 def test_scale_down_lets_streams_finish(server):
     results, saw_stopping, change_s = _streams_through_a_change(
-        server, {**APP_ARGS, "max_chunks_per_s": 400.0, "num_engine_replicas": 1},
+        server, {**APP_ARGS, "channel_idle_close_s": 4.0, "num_engine_replicas": 1},
         num_replicas=2)
     _assert_complete(results)
     assert saw_stopping, "no replica was stopped while streams ran"

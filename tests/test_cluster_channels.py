@@ -1,0 +1,241 @@
+"""The ingress side of the per-step channel, without Ray: a scripted engine handle
+answers admission calls and channel calls; `ChannelHub` demultiplexes step
+messages and `Relay` turns them into text deltas."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.channels import ChannelHub
+from cluster.errors import ApiError, ReplicaOverloaded, ReplicaRejected
+from cluster.relay import Relay
+from cluster.wire import EngineRequest, encode_delta
+from deltas.text_stream import TextStream
+from deltas.types import FinishReason, TokenDelta
+
+_END = object()
+
+
+class ScriptedCall:
+    """A DeploymentResponseGenerator stand-in: yields what the test puts."""
+
+    def __init__(self, *items) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        for item in items:
+            self.queue.put_nowait(item)
+        self.cancelled = False
+
+    def put(self, item) -> None:
+        self.queue.put_nowait(item)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.queue.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ScriptedEngine:
+    """`.generate.remote(...)` admits on `replica_of[request_id]` (default "rep-1")
+    unless `refusals` says otherwise; `.channel.remote(...)` opens a channel."""
+
+    def __init__(self) -> None:
+        self.replica_of: dict[str, str] = {}
+        self.refusals: dict[str, BaseException] = {}
+        self.admissions: dict[str, ScriptedCall] = {}
+        self.channels: dict[str, list[ScriptedCall]] = {}
+        self.generate = _Method(self._generate)
+        self.channel = _Method(self._channel)
+
+    def _generate(self, wire: list) -> ScriptedCall:
+        request = EngineRequest.from_wire(wire)
+        refusal = self.refusals.get(request.request_id)
+        call = ScriptedCall(refusal if refusal else self.replica_of.get(request.request_id, "rep-1"))
+        self.admissions[request.request_id] = call
+        return call
+
+    def _channel(self, owner, owner_handle=None, pin_replica_id=None) -> ScriptedCall:
+        call = ScriptedCall([])  # the greeting
+        self.channels.setdefault(pin_replica_id, []).append(call)
+        return call
+
+    def step(self, replica_id: str, *deltas: TokenDelta) -> None:
+        self.channels[replica_id][-1].put([encode_delta(d) for d in deltas])
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class RaySideError(Exception):
+    """What a dead replica's call raises (Ray wraps the cause)."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from deltas.tokenizer import Tokenizer
+    from replicas.presets import resolve_tokenizer_dir
+
+    return Tokenizer.from_dir(resolve_tokenizer_dir("tiny"))
+
+
+def _delta(request_id: str, token_ids, n: int, finish: bool = False) -> TokenDelta:
+    return TokenDelta(request_id, list(token_ids), num_prompt_tokens=2, num_output_tokens=n,
+                      finish_reason=FinishReason.LENGTH if finish else None)
+
+
+async def _open(engine, hub, tokenizer, request_id: str, stop=None, timeout_s=None) -> Relay:
+    request = EngineRequest(request_id, [5, 6], {"max_tokens": 16}, hub.owner)
+    return await Relay.open(engine, hub, request, TextStream(tokenizer, stop=stop),
+                            timeout_s=timeout_s)
+
+
+async def _until(predicate, timeout_s=2.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.001)
+
+
+def _opening(engine, hub, tokenizer, request_id, **kwargs) -> asyncio.Task:
+    return asyncio.ensure_future(_open(engine, hub, tokenizer, request_id, **kwargs))
+
+
+async def _open_with_first(engine, hub, tokenizer, request_id, replica="rep-1", **kw) -> Relay:
+    engine.replica_of[request_id] = replica
+    task = _opening(engine, hub, tokenizer, request_id, **kw)
+    await _until(lambda: engine.channels.get(replica))
+    await asyncio.sleep(0)
+    engine.step(replica, _delta(request_id, [], 0))  # a first (empty) delta
+    return await task
+
+
+def test_one_step_message_reaches_each_request_and_merges_when_behind(tokenizer):
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        ids = tokenizer.encode("The quick brown fox jumps", add_special_tokens=False)
+        relays = [await _open_with_first(engine, hub, tokenizer, rid) for rid in ("a", "b")]
+        assert len(engine.channels["rep-1"]) == 1  # one channel per replica, not per request
+        for i, tid in enumerate(ids):  # the consumers are busy: collectors merge
+            engine.step("rep-1", _delta("a", [tid], i + 1, finish=i == len(ids) - 1),
+                        _delta("b", [tid], i + 1, finish=i == len(ids) - 1))
+        await asyncio.sleep(0.05)
+        for relay in relays:
+            out = [td async for td in relay.text_deltas()]
+            assert len(out) == 2  # the empty first delta, then everything at once
+            assert "".join(td.text for td in out) == tokenizer.decode(ids)
+            assert out[-1].finish_reason == FinishReason.LENGTH
+        assert not any(c.cancelled for c in engine.admissions.values())
+        assert hub._collectors == {}  # forgotten once done
+
+    asyncio.run(run())
+
+
+def test_stop_string_cancels_the_admission_call(tokenizer):
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        relay = await _open_with_first(engine, hub, tokenizer, "a", stop=["three"])
+        ids = tokenizer.encode("one two three four", add_special_tokens=False)
+        for i, tid in enumerate(ids):
+            engine.step("rep-1", _delta("a", [tid], i + 1))
+        out = [td async for td in relay.text_deltas()]
+        assert "".join(td.text for td in out) == "one two "
+        assert out[-1].finish_reason == FinishReason.STOP
+        assert engine.admissions["a"].cancelled  # the replica aborts it
+
+    asyncio.run(run())
+
+
+def test_a_failed_channel_fails_only_the_requests_of_its_replica(tokenizer):
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        dead = await _open_with_first(engine, hub, tokenizer, "a", replica="rep-1")
+        alive = await _open_with_first(engine, hub, tokenizer, "b", replica="rep-2")
+        engine.channels["rep-1"][-1].put(RaySideError("ActorDiedError: the replica died"))
+        out = [td async for td in dead.text_deltas()]
+        assert out[-1].finish_reason == FinishReason.ERROR and "unavailable" in out[-1].error
+        engine.step("rep-2", _delta("b", [65], 1, finish=True))
+        out = [td async for td in alive.text_deltas()]
+        assert out[-1].finish_reason == FinishReason.LENGTH
+
+    asyncio.run(run())
+
+
+def test_refusals_and_early_deaths_are_http_errors_before_any_header(tokenizer):
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        engine.refusals["busy"] = ReplicaOverloaded("queue full", 2.0)
+        engine.refusals["bad"] = ReplicaRejected("temperature must be >= 0")
+        with pytest.raises(ApiError) as info:
+            await _open(engine, hub, tokenizer, "busy")
+        assert info.value.status == 429 and info.value.retry_after_s == 2.0
+        with pytest.raises(ApiError) as info:
+            await _open(engine, hub, tokenizer, "bad")
+        assert info.value.status == 400 and "temperature" in info.value.message
+        # Admitted, then the replica dies before the first token.
+        task = _opening(engine, hub, tokenizer, "dies")
+        await _until(lambda: "dies" in engine.admissions and engine.channels.get("rep-1"))
+        engine.admissions["dies"].put(RaySideError("ActorDiedError"))
+        with pytest.raises(ApiError) as info:
+            await task
+        assert info.value.status == 503
+        assert hub._collectors == {}
+
+    asyncio.run(run())
+
+
+def test_a_channel_closed_for_idleness_is_reopened_while_requests_wait(tokenizer):
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        relay = await _open_with_first(engine, hub, tokenizer, "a")
+        engine.channels["rep-1"][-1].put(_END)  # the replica closed it
+        await _until(lambda: len(engine.channels["rep-1"]) == 2)
+        engine.step("rep-1", _delta("a", [65], 1, finish=True))
+        out = [td async for td in relay.text_deltas()]
+        assert out[-1].finish_reason == FinishReason.LENGTH
+        await _until(lambda: hub.num_open_channels == 1)
+        engine.channels["rep-1"][-1].put(_END)  # nothing attached now: not reopened
+        await _until(lambda: hub.num_open_channels == 0)
+        assert len(engine.channels["rep-1"]) == 2
+
+    asyncio.run(run())
+
+
+def test_consumer_cancel_and_timeout_cancel_the_admission_call(tokenizer):
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        relay = await _open_with_first(engine, hub, tokenizer, "a")
+
+        async def consume():
+            async for _ in relay.text_deltas():
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.02)
+        task.cancel()  # the client disconnected
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert engine.admissions["a"].cancelled and "a" not in hub._collectors
+
+        slow = await _open_with_first(engine, hub, tokenizer, "b", timeout_s=0.05)
+        out = [td async for td in slow.text_deltas()]
+        assert out[-1].finish_reason == FinishReason.ERROR and slow.timed_out
+        assert engine.admissions["b"].cancelled
+
+    asyncio.run(run())
