@@ -23,12 +23,49 @@ def _is_int(v) -> bool:
 
 
 def _is_num(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(v))
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _is_int64(v, low: int) -> bool:
+    return _is_int(v) and low <= v <= INT64_MAX
+
+
+# Every number the engine puts in a tensor must fit its dtype, and no accepted
+# value may turn logits into NaN or Inf (float32 on the device): 1e-300 is 0 there.
+INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 1024
+# temperature: below GREEDY_BELOW it is greedy; up to MIN_TEMPERATURE it is raised to
+# it. With the repetition penalty's floor, a logit is scaled by at most 1e4: finite
+# in float32 for any logit below 3e34 (models give tens).
+GREEDY_BELOW = 1e-5
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 100.0
+# top_p below this keeps only the top token anyway; float32 keeps it above 0.
+MIN_TOP_P = 1e-6
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
+MAX_ABS_PENALTY = 2.0  # presence, frequency
 
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
+    """Sampling settings of one request, checked and normalised on construction.
+
+    Every range below is one the batched sampler can run for any row without
+    NaN, Inf or integer overflow; error messages state it. Normalised (not
+    refused): a temperature below 1e-5 is greedy (0) and one below 0.01 becomes
+    0.01; top_p below 1e-6 becomes 1e-6 (still only the top token);
+    repetition_penalty below 0.01 becomes 0.01. A top_k above the vocabulary
+    means the whole vocabulary (the sampler clamps it). min_p and the presence
+    and frequency penalties are safe over their whole ranges.
+    """
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: all tokens
@@ -45,36 +82,51 @@ class SamplingParams:
     output_kind: OutputKind = OutputKind.DELTA
 
     def __post_init__(self) -> None:
-        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
-               "temperature", "a number in [0, 100]", self.temperature)
-        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
-               "top_p", "a number in (0, 1]", self.top_p)
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-               "top_k", "-1 (all) or an integer >= 1", self.top_k)
+        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
+               "temperature", f"a number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: "
+               f"greedy; below {MIN_TEMPERATURE:g}: raised to {MIN_TEMPERATURE:g})",
+               self.temperature)
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        elif self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+               f"a number in (0, 1] (below {MIN_TOP_P:g}: raised to {MIN_TOP_P:g})", self.top_p)
+        object.__setattr__(self, "top_p", max(float(self.top_p), MIN_TOP_P))
+        _check(self.top_k == -1 or _is_int64(self.top_k, 1), "top_k",
+               "-1 (all) or an integer in [1, 2**63 - 1] (above the vocabulary size: the "
+               "whole vocabulary)", self.top_k)
         _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
                "min_p", "a number in [0, 1]", self.min_p)
-        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
-               "seed", "null or an integer in [0, 2**63)", self.seed)
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-               "max_tokens", "null or an integer >= 1", self.max_tokens)
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
-               "min_tokens", "an integer >= 0", self.min_tokens)
+        _check(self.seed is None or _is_int64(self.seed, 0),
+               "seed", "null or an integer in [0, 2**63 - 1]", self.seed)
+        _check(self.max_tokens is None or _is_int64(self.max_tokens, 1),
+               "max_tokens", "null or an integer in [1, 2**63 - 1]", self.max_tokens)
+        _check(_is_int64(self.min_tokens, 0),
+               "min_tokens", "an integer in [0, 2**63 - 1]", self.min_tokens)
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         ids = tuple(self.stop_token_ids or ())
-        _check(all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids",
-               "a list of non-negative integers", self.stop_token_ids)
+        _check(len(ids) <= MAX_STOP_TOKEN_IDS and all(_is_int64(t, 0) for t in ids),
+               "stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} integers in "
+               "[0, vocabulary size)", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", ids)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean", self.ignore_eos)
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               "logprobs", "null or an integer in [0, 20]", self.logprobs)
-        _check(_is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
-               "presence_penalty", "a number in [-2, 2]", self.presence_penalty)
-        _check(_is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
-               "frequency_penalty", "a number in [-2, 2]", self.frequency_penalty)
-        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
-               "repetition_penalty", "a number in (0, 2]", self.repetition_penalty)
+        _check(self.logprobs is None or (_is_int(self.logprobs)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"null or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY, name,
+                   f"a number in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}]", value)
+        _check(_is_num(self.repetition_penalty)
+               and 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               "repetition_penalty", f"a number in (0, {MAX_REPETITION_PENALTY:g}] (below "
+               f"{MIN_REPETITION_PENALTY:g}: raised to {MIN_REPETITION_PENALTY:g})",
+               self.repetition_penalty)
+        object.__setattr__(self, "repetition_penalty",
+                           max(float(self.repetition_penalty), MIN_REPETITION_PENALTY))
         try:
             object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
         except ValueError:

@@ -4,16 +4,27 @@ per-request seeds, presence/frequency/repetition penalties, min_tokens, logprobs
 `SamplingBatch` is built once per scheduling decision (a multi-step window reuses
 it, updating its counters on the device), and `sample_no_sync` returns a device
 tensor: the caller makes the step's single host sync on it.
+
+`SamplingParams` bounds every value so that no row can produce NaN, Inf or an
+integer overflow; what depends on the model (top_k above the vocabulary) is
+clamped here. If a batch still fails, `probe_rows` samples each row alone to
+find the request at fault (the engine core then fails only that request).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from replicas.request import Request
 
 _NEG_INF = float("-inf")
+
+# Test-only: called with every row of every batch built; raising there is a
+# request whose sampling fails inside the batched step (cluster/faults.py installs
+# it). None in production: one check per batch.
+row_fault_hook: Callable[[Request], None] | None = None
 
 
 @dataclass(slots=True)
@@ -44,6 +55,9 @@ class SamplingBatch:
 
 
 def build_sampling_batch(rows: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+    if row_fault_hook is not None:
+        for r in rows:
+            row_fault_hook(r)
     params = [r.params for r in rows]
     B = len(rows)
     all_greedy = all(p.is_greedy for p in params)
@@ -53,7 +67,9 @@ def build_sampling_batch(rows: list[Request], vocab_size: int, device: torch.dev
                              dtype=torch.float32, device=device)
         greedy = torch.tensor([p.is_greedy for p in params], device=device)
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+            # NOTE: a top_k above the vocabulary is the whole vocabulary.
+            top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
+                                  for p in params], device=device)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         if any(p.min_p > 0.0 for p in params):
@@ -114,6 +130,28 @@ def _apply_top_k_top_p(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return torch.full_like(logits, _NEG_INF).scatter_(-1, order, sorted_logits)
 
 
+def adjusted_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Penalties applied, stop tokens banned while min_tokens is not reached."""
+    if sb.output_counts is not None:
+        logits = _apply_penalties(logits, sb)
+    if sb.stop_token_mask is not None:
+        banned = sb.stop_token_mask & (sb.num_outputs < sb.min_tokens).unsqueeze(1)
+        logits = logits.masked_fill(banned, _NEG_INF)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """(B, V) adjusted logits -> the distributions the non-greedy rows sample from."""
+    scaled = logits / sb.temperatures.unsqueeze(1)
+    if sb.top_k is not None or sb.top_p is not None:
+        scaled = _apply_top_k_top_p(scaled, sb)
+    probs = scaled.softmax(dim=-1)
+    if sb.min_p is not None:
+        threshold = sb.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
 def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, V) float32 logits -> (sampled ids (B,) int64, packed (B, K) for the host).
 
@@ -121,22 +159,12 @@ def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tenso
     as float32 (ids are exact in float32 below 2**24): one tensor, one host copy.
     """
     raw_logits = logits
-    if sb.output_counts is not None:
-        logits = _apply_penalties(logits, sb)
-    if sb.stop_token_mask is not None:
-        banned = sb.stop_token_mask & (sb.num_outputs < sb.min_tokens).unsqueeze(1)
-        logits = logits.masked_fill(banned, _NEG_INF)
+    logits = adjusted_logits(logits, sb)
     if sb.all_greedy:
         sampled = logits.argmax(dim=-1)
     else:
         greedy_ids = logits.argmax(dim=-1)
-        scaled = logits / sb.temperatures.unsqueeze(1)
-        if sb.top_k is not None or sb.top_p is not None:
-            scaled = _apply_top_k_top_p(scaled, sb)
-        probs = scaled.softmax(dim=-1)
-        if sb.min_p is not None:
-            threshold = sb.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = sampling_probs(logits, sb)
         # exponential race: argmax(p / q), q ~ Exp(1), samples from p without a sync
         q = torch.empty_like(probs).exponential_()
         for row, gen in sb.seeded_rows:
@@ -156,3 +184,26 @@ def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tenso
         top_lp, top_ids = logprobs.topk(sb.max_num_logprobs, dim=-1)
         parts += [top_ids.float(), top_lp]
     return sampled, torch.cat(parts, dim=1)
+
+
+def probe_rows(rows: list[Request], vocab_size: int,
+               device: torch.device) -> list[tuple[Request, Exception]]:
+    """The rows whose sampling fails alone, with their errors: each row's batch is
+    built and sampled on zero logits. A seeded row's generator is left as it was
+    (its outputs stay those of an undisturbed run)."""
+    failed = []
+    logits = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
+    for r in rows:
+        generator = r.generator
+        state = generator.get_state() if generator is not None else None
+        try:
+            _, packed = sample_no_sync(logits.clone(), build_sampling_batch([r], vocab_size, device))
+            packed.tolist()  # NOTE: a host sync, so a device error shows here
+        except Exception as e:  # noqa: BLE001 - any failure marks the row
+            failed.append((r, e))
+        finally:
+            if generator is None:
+                r.generator = None
+            else:
+                generator.set_state(state)
+    return failed
