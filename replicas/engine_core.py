@@ -19,7 +19,10 @@ from replicas.model_runner import ModelRunner
 from replicas.output_processor import OutputProcessor
 from replicas.presets import ensure_model_dir
 from replicas.request import DeltaSink, Request, RequestStatus
+from replicas.sampler import probe_rows
 from replicas.scheduler import Scheduler, SchedulerOutput
+from replicas.step_isolation import (bisect, control_request, is_engine_fault,
+                                     unfinished_seqs)
 
 logger = logging.getLogger("stepstream")
 
@@ -134,8 +137,15 @@ class EngineCore:
         return True
 
     def _run(self, sched: SchedulerOutput) -> None:
+        try:
+            self._execute(sched)
+        except Exception as error:  # noqa: BLE001 - engine faults are re-raised
+            self._isolate_failure(sched, error)
+
+    def _execute(self, sched: SchedulerOutput) -> None:
         num_steps = sched.num_steps
         output = self.output
+        done = [0]  # steps whose tokens were taken
 
         def on_step(step: int, rows: list[Request], sampled: list) -> None:
             counts = []
@@ -147,17 +157,49 @@ class EngineCore:
                 for req, token in zip(rows, sampled):
                     req.output_token_ids.append(token)
                     counts.append(len(req.output_token_ids))
+            done[0] += 1
             self.num_steps += 1
             self.last_step_time = time.monotonic()
             output.submit(rows, sampled, counts, step == num_steps - 1)
 
-        self.runner.execute(sched, on_step)
-        for s in sched.prefill_seqs:
-            s.request.num_computed_tokens += s.num_new_tokens
-        for s in sched.decode_seqs:
-            s.request.num_computed_tokens += num_steps
+        try:
+            self.runner.execute(sched, on_step)
+        finally:
+            # NOTE: when a later step of a window raised, the earlier ones still count.
+            if done[0]:
+                for s in sched.prefill_seqs:
+                    s.request.num_computed_tokens += s.num_new_tokens
+                for s in sched.decode_seqs:
+                    s.request.num_computed_tokens += done[0]
         self.scheduler.cache_computed_blocks(sched)
         self._last_num_steps = num_steps
+
+    def _isolate_failure(self, sched: SchedulerOutput, error: Exception) -> None:
+        """A step raised: fail only the requests it is tied to (replicas/step_isolation.py)
+        and go on. Re-raises, so the engine fails, when the cause is the engine's or
+        cannot be told."""
+        if is_engine_fault(error):
+            raise error
+        self._last_num_steps = 0
+        self.output.wait()
+        self._free_finished()
+        seqs = unfinished_seqs(sched)
+        rows = [s.request for s in seqs if s.do_sample]
+        device, V = self.runner.device, self.vocab_size
+        culprits = probe_rows(rows, V, device)
+        if culprits and probe_rows([control_request()], V, device):
+            raise error  # the sampler fails for anyone: not a request's doing
+        if not culprits:
+            culprits, any_ran = bisect(seqs, self._execute)
+            if not any_ran:
+                raise error
+        self.output.wait()
+        for req, e in culprits:
+            logger.warning("request %s failed inside an engine step; only it ends",
+                           req.request_id, exc_info=e)
+            self.output.finish_now(req, FinishReason.ERROR,
+                                   f"the request failed in the engine: {type(e).__name__}: {e}")
+        self._free_finished()
 
     def _free_finished(self) -> None:
         finished = self.output.finished

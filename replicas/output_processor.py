@@ -4,10 +4,12 @@ O(1) work per new token (no output is ever rebuilt or re-decoded).
 With async output the loop for step k runs on its own thread while step k+1
 computes (torch releases the GIL inside its kernels). The processor alone decides
 where a request stops (EOS, stop token, max_tokens, model context); requests that
-finished are handed back to the engine thread through `finished`.
+finished are handed back to the engine thread through `finished`. A row that
+fails here (its sink, its logprobs) ends that request alone with an error.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,6 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from deltas.collector import WakeBatch
 from deltas.types import FinishReason, TokenDelta
 from replicas.request import Request
+
+logger = logging.getLogger("stepstream")
 
 
 class OutputProcessor:
@@ -72,34 +76,52 @@ class OutputProcessor:
             if req.finish_reason is not None:
                 continue  # stopped earlier in this window: its extra tokens drop
             n = counts[i]
-            if with_logprobs:
-                packed = sampled[i]
-                token = int(packed[0])
-            else:
-                token = sampled[i]
-            reason = None
-            if token in req.stop_token_ids and n > req.params.min_tokens:
-                reason, stop_reason = FinishReason.STOP, token
-            elif n >= req.max_output_tokens or req.num_prompt_tokens + n >= max_model_len:
-                reason, stop_reason = FinishReason.LENGTH, None
-            delta = TokenDelta(req.request_id, [token], num_prompt_tokens=req.num_prompt_tokens,
-                               num_output_tokens=n)
-            if with_logprobs and req.params.logprobs is not None:
-                self._attach_logprobs(delta, packed, req.params.logprobs)
-            if reason is not None:
-                delta.finish_reason, delta.stop_reason = reason, stop_reason
-                req.finish_reason, req.num_final_output_tokens = reason, n
-                self.finished.append(req)
-                if not notify:
-                    # skipped by the window's last step: woken at the window end
-                    held.append(req.sink)
-            req.sink.put(delta, notify, wakes)
+            try:
+                if with_logprobs:
+                    packed = sampled[i]
+                    token = int(packed[0])
+                else:
+                    token = sampled[i]
+                reason = None
+                if token in req.stop_token_ids and n > req.params.min_tokens:
+                    reason, stop_reason = FinishReason.STOP, token
+                elif n >= req.max_output_tokens or req.num_prompt_tokens + n >= max_model_len:
+                    reason, stop_reason = FinishReason.LENGTH, None
+                delta = TokenDelta(req.request_id, [token], num_prompt_tokens=req.num_prompt_tokens,
+                                   num_output_tokens=n)
+                if with_logprobs and req.params.logprobs is not None:
+                    self._attach_logprobs(delta, packed, req.params.logprobs)
+                if reason is not None:
+                    delta.finish_reason, delta.stop_reason = reason, stop_reason
+                    req.finish_reason, req.num_final_output_tokens = reason, n
+                    self.finished.append(req)
+                    if not notify:
+                        # skipped by the window's last step: woken at the window end
+                        held.append(req.sink)
+                req.sink.put(delta, notify, wakes)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                self._fail_row(req, n - 1, e)
         wakes.flush()  # one cross-thread wake-up for every consumer of this step
         self.num_output_tokens += len(rows)
         if is_window_end and held:
             for sink in held:
                 sink.notify()
             held.clear()
+
+    def _fail_row(self, req: Request, num_delivered: int, error: Exception) -> None:
+        logger.warning("request %s failed in output processing; only it ends", req.request_id,
+                       exc_info=error)
+        if req.finish_reason is None:
+            self.finished.append(req)
+        req.finish_reason, req.num_final_output_tokens = FinishReason.ERROR, num_delivered
+        try:
+            req.sink.put(TokenDelta(req.request_id, [], finish_reason=FinishReason.ERROR,
+                                    error=f"the request failed in the engine: "
+                                          f"{type(error).__name__}: {error}",
+                                    num_prompt_tokens=req.num_prompt_tokens,
+                                    num_output_tokens=num_delivered))
+        except Exception:  # noqa: BLE001 - its sink is what broke: nothing more to tell it
+            logger.exception("could not end request %s", req.request_id)
 
     @staticmethod
     def _attach_logprobs(delta: TokenDelta, packed: list, k: int) -> None:
