@@ -4,15 +4,19 @@ Strict on purpose: wrong JSON types are 400s, not silent coercions ("2" is not 2
 unknown fields are 400s (as OpenAI itself answers), NaN and infinities are
 refused. Value ranges of the sampling fields are not repeated here:
 `replicas.config.SamplingParams` checks them and names the field, and the ingress
-turns its ValueError into a 400. Responses are built as plain dicts in
+turns its ValueError into a 400. Fields whose name differs from the engine's
+(chat's `top_logprobs`, `max_completion_tokens`) are checked here, so the error
+names the field the client sent. Responses are built as plain dicts in
 `cluster/sse.py` (cheaper than models on the per-chunk path).
 """
 from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator)
+
+from replicas.config import INT64_MAX, MAX_LOGPROBS  # plain data: no torch
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
@@ -58,6 +62,14 @@ class _SamplingFields(BaseModel):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options, info: ValidationInfo):
+        # As OpenAI: never ignore a field silently.
+        if options is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
 
     @field_validator("stop")
     @classmethod
@@ -173,12 +185,24 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
-        # As OpenAI: never ignore a field silently.
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, k, info: ValidationInfo):
+        if k is None:
+            return k
+        if not info.data.get("logprobs", False):  # as OpenAI: never ignore a field
             raise ValueError("top_logprobs requires logprobs to be true")
-        return self
+        if not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k}")
+        return k
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_tokens(cls, n):
+        if n is not None and not 1 <= n <= INT64_MAX:
+            raise ValueError(f"max_completion_tokens must be null or an integer in "
+                             f"[1, 2**63 - 1], got {n}")
+        return n
 
     @property
     def requested_max_tokens(self) -> int | None:
