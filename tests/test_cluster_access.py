@@ -1,0 +1,137 @@
+"""Access without Ray: the no-key rule (loopback only, or an explicit
+`allow_unauthenticated`), the local launcher's key from the environment (passed on
+as its SHA-256 only), and /health's cache (at most one engine call per second,
+whatever the hit rate)."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from cluster import access
+from cluster.access import check_access, is_loopback
+from cluster.app import AppArgs  # NOTE: first: importing Serve sets up its loggers
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.9.8.7", "::1", "[::1]", "localhost"])
+def test_loopback_hosts(host):
+    assert is_loopback(host)
+    assert "No API key" in check_access(host, has_key=False, allow_unauthenticated=False)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "192.168.0.7", "example.com"])
+def test_no_key_on_a_non_loopback_address_needs_an_explicit_allow(host):
+    assert not is_loopback(host)
+    with pytest.raises(ValueError, match="allow_unauthenticated: true"):
+        check_access(host, has_key=False, allow_unauthenticated=False)
+    assert "open to anyone" in check_access(host, has_key=False, allow_unauthenticated=True)
+    assert check_access(host, has_key=True, allow_unauthenticated=False) is None
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def serve_warnings():
+    """Warnings of the "ray.serve" logger (Ray stops it from propagating)."""
+    records, logger = _Records(), logging.getLogger("ray.serve")
+    logger.addHandler(records)
+    yield records.messages
+    logger.removeHandler(records)
+
+
+def test_app_args_check_the_running_serves_host(monkeypatch, serve_warnings):
+    monkeypatch.delenv(access.API_KEY_ENV, raising=False)
+    monkeypatch.setattr(access, "serve_http_host", lambda: "0.0.0.0")
+    with pytest.raises(ValidationError, match="allow_unauthenticated"):
+        AppArgs()
+    AppArgs(allow_unauthenticated=True)
+    assert len(serve_warnings) == 1 and "open to anyone" in serve_warnings.pop()
+    AppArgs(api_key_sha256="ab" * 32)
+    monkeypatch.setenv(access.API_KEY_ENV, "from-env")
+    AppArgs()
+    assert serve_warnings == []
+    monkeypatch.delenv(access.API_KEY_ENV)
+    monkeypatch.setattr(access, "serve_http_host", lambda: "127.0.0.1")
+    AppArgs()
+    assert len(serve_warnings) == 1 and "No API key" in serve_warnings.pop()
+    monkeypatch.setattr(access, "serve_http_host", lambda: None)  # no Serve: nothing to check
+    AppArgs()
+    assert serve_warnings == []
+
+
+def test_launcher_takes_the_key_from_the_env_and_passes_its_digest(monkeypatch, tmp_path):
+    from cluster.serve_local import app_args, parse_args
+
+    digest = hashlib.sha256(b"s3cret").hexdigest()
+    monkeypatch.setenv(access.API_KEY_ENV, "s3cret")
+    args, _, _ = app_args(parse_args([]))
+    assert args["api_key_sha256"] == digest and "api_key" not in args
+    config = tmp_path / "serve.yaml"
+    config.write_text("applications:\n  - args:\n      api_key: from-config\n")
+    args, _, _ = app_args(parse_args(["--config", str(config)]))
+    assert args["api_key_sha256"] == digest and "api_key" not in args
+    monkeypatch.delenv(access.API_KEY_ENV)
+    args, _, _ = app_args(parse_args(["--api-key", "flag-key"]))
+    assert args["api_key_sha256"] == hashlib.sha256(b"flag-key").hexdigest()
+    assert "api_key_sha256" not in app_args(parse_args([]))[0]
+
+
+def test_launcher_refuses_a_public_address_without_a_key_before_starting_ray():
+    env = {k: v for k, v in __import__("os").environ.items() if k != access.API_KEY_ENV}
+    done = subprocess.run([sys.executable, "-m", "cluster.serve_local", "--host", "0.0.0.0"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "refusing to serve on 0.0.0.0" in done.stderr
+    assert "Started a local Ray" not in done.stderr + done.stdout
+
+
+class _Engine:
+    """Counts health calls; each takes a little while, like a real round trip."""
+
+    def __init__(self, fail: bool = False):
+        self.calls = 0
+        self.fail = fail
+        self.health = self
+
+    def remote(self):
+        self.calls += 1
+
+        async def answer():
+            await asyncio.sleep(0.02)
+            if self.fail:
+                raise RuntimeError("engine dead")
+            return True
+        return answer()
+
+
+def test_health_is_cached_and_shared_by_concurrent_hits():
+    from cluster.ingress import _HealthCache
+
+    async def main():
+        engine, cache = _Engine(), _HealthCache(ttl_s=0.3)
+        first = await asyncio.gather(*(cache.error(engine) for _ in range(200)))
+        again = [await cache.error(engine) for _ in range(200)]
+        assert first == again == [None] * 200 and engine.calls == 1
+        # a client that hangs up does not cancel the check the others wait on
+        await asyncio.sleep(0.35)
+        hung_up = asyncio.ensure_future(cache.error(engine))
+        waiting = asyncio.ensure_future(cache.error(engine))
+        await asyncio.sleep(0)
+        hung_up.cancel()
+        assert await waiting is None and engine.calls == 2
+        dead, dead_cache = _Engine(fail=True), _HealthCache(ttl_s=10.0)
+        answers = await asyncio.gather(*(dead_cache.error(dead) for _ in range(50)))
+        assert answers == ["RuntimeError"] * 50 and dead.calls == 1
+    asyncio.run(main())
