@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
+# Flags for `make serve`, e.g. make serve SERVE_FLAGS="--port 8001 --num-scheduler-steps 4"
+SERVE_FLAGS ?=
 
 .PHONY: serve test install bench clean
 
@@ -18,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(PY) -m cluster.serve_local
+	$(PY) -m cluster.serve_local $(SERVE_FLAGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
