@@ -71,6 +71,24 @@ def test_app_args_check_the_running_serves_host(monkeypatch, serve_warnings):
     assert serve_warnings == []
 
 
+@pytest.mark.parametrize("name, needs_key", [("serve.yaml", False), ("serve-gpu.yaml", True)])
+def test_configs_follow_the_no_key_rule(monkeypatch, name, needs_key):
+    import pathlib
+
+    import yaml
+
+    config = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1] / "configs" /
+                             name).read_text())
+    args = config["applications"][0]["args"]
+    monkeypatch.delenv(access.API_KEY_ENV, raising=False)
+    monkeypatch.setattr(access, "serve_http_host", lambda: config["http_options"]["host"])
+    if needs_key:  # it binds 0.0.0.0: without a key it refuses to start
+        with pytest.raises(ValidationError, match="refusing to serve on 0.0.0.0"):
+            AppArgs.model_validate(args)
+        monkeypatch.setenv(access.API_KEY_ENV, "set-on-every-node")
+    AppArgs.model_validate(args)
+
+
 def test_launcher_takes_the_key_from_the_env_and_passes_its_digest(monkeypatch, tmp_path):
     from cluster.serve_local import app_args, parse_args
 

@@ -100,3 +100,18 @@ def test_autoscaler_schema_rejects_a_broken_cluster_config():
     broken["available_node_types"]["gpu_worker"]["max_workers"] = "eight"
     with pytest.raises(jsonschema.ValidationError):
         validate_config(prepare_config(broken))
+
+
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_our_request_timeout_is_the_only_one_on_a_stream(name):
+    """Serve's proxy timeout counts from arrival (queue wait included) and cuts a
+    stream with no error event; ours counts from the first token and ends it with a
+    504 error event. So no config sets the proxy's, and every config sets ours, with
+    a drain at least as long."""
+    from cluster.app import AppArgs
+
+    raw = _load(name)
+    assert (raw.get("http_options") or {}).get("request_timeout_s") is None
+    args = AppArgs.model_validate(raw["applications"][0]["args"])
+    assert args.request_timeout_s is not None
+    assert args.graceful_shutdown_timeout_s >= args.request_timeout_s
