@@ -3,8 +3,9 @@
 Streams are slowed on the running replicas (`inject_fault("slow")`, enabled only
 for this app) so they are still running when Serve starts stopping the old
 replicas; the test checks that it did (a replica in STOPPING while streams ran),
-and that every stream still ended with a complete answer and `[DONE]`. With a
-drain timeout shorter than the streams, they would end in error events instead.
+and that every stream still ended with a complete answer and `[DONE]`. Every stream
+ends more than Serve's default drain (20 s) after the first replica went STOPPING,
+so without our `graceful_shutdown_timeout_s` they would end in error events.
 One app for the module; Serve and Ray always shut down."""
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
 MAX_TOKENS = 240
-STEP_DELAY_S = 0.2  # per 4-token window: a stream lasts ~12 s on a slowed replica
+STEP_DELAY_S = 0.5  # per 4-token window: a stream lasts over 30 s on a slowed replica
+SERVE_DEFAULT_DRAIN_S = 20.0
 APP_ARGS = {"model": MODEL, "num_engine_replicas": 2, "engine_num_cpus": 1,
             "ingress_num_cpus": 0.25, "num_threads": 1, "max_num_seqs": 16,
             "num_kv_blocks": 512, "num_scheduler_steps": 4, "max_model_len": 512,
@@ -65,18 +67,21 @@ def _engine_states() -> dict:
 
 def _streams_through_a_change(server: str, new_args: dict, num_replicas: int,
                               num_streams: int = 6):
-    """Start slowed streams, change the app while they run; (results, whether an old
-    replica was STOPPING while streams were still running, seconds of the change)."""
+    """Start slowed streams, change the app while they run; (results, seconds from the
+    first replica seen STOPPING to the first stream's end (None: none seen while streams
+    ran), seconds of the change)."""
     _slow_every_replica(num_replicas)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    saw_stopping = [False]
+    stopping_at, ended_at = [], []
 
     async def run():
         async with httpx.AsyncClient(timeout=300) as client:
             tasks = [asyncio.ensure_future(stream_request(client, server + "/v1/completions",
                                                           body)) for _ in range(num_streams)]
+            for t in tasks:
+                t.add_done_callback(lambda _: ended_at.append(time.monotonic()))
             await asyncio.sleep(2.0)  # every stream is running on an old replica
             assert not any(t.done() for t in tasks)
             started = time.monotonic()
@@ -84,13 +89,15 @@ def _streams_through_a_change(server: str, new_args: dict, num_replicas: int,
             change.start()
             while not all(t.done() for t in tasks):
                 states = await asyncio.to_thread(_engine_states)
-                saw_stopping[0] |= states.get("STOPPING", 0) > 0
+                if states.get("STOPPING", 0) > 0 and not stopping_at:
+                    stopping_at.append(time.monotonic())
                 await asyncio.sleep(0.2)
             await asyncio.to_thread(change.join, 300)
             return await asyncio.gather(*tasks), time.monotonic() - started
 
     results, change_s = asyncio.run(run())
-    return results, saw_stopping[0], change_s
+    drained_s = min(ended_at) - stopping_at[0] if stopping_at else None
+    return results, drained_s, change_s
 
 
 def _assert_complete(results) -> None:
@@ -101,22 +108,26 @@ def _assert_complete(results) -> None:
 
 
 def test_redeploy_with_a_changed_arg_lets_streams_finish(server):
-    results, saw_stopping, change_s = _streams_through_a_change(
+    results, drained_s, change_s = _streams_through_a_change(
         server, {**APP_ARGS, "channel_idle_close_s": 4.0}, num_replicas=2)
     _assert_complete(results)
-    assert saw_stopping, "the old replicas were never stopped while streams ran"
+    assert drained_s is not None, "the old replicas were never stopped while streams ran"
+    assert drained_s > SERVE_DEFAULT_DRAIN_S, f"streams ended {drained_s:.1f} s into the drain"
     wait_healthy(server)
-    print(f"\nredeploy: {len(results)} streams finished through it ({change_s:.1f} s)")
+    print(f"\nredeploy: {len(results)} streams finished through it ({change_s:.1f} s; "
+          f"the first ended {drained_s:.1f} s after a replica went STOPPING)")
 
 
 def test_scale_down_lets_streams_finish(server):
-    results, saw_stopping, change_s = _streams_through_a_change(
+    results, drained_s, change_s = _streams_through_a_change(
         server, {**APP_ARGS, "channel_idle_close_s": 4.0, "num_engine_replicas": 1},
         num_replicas=2)
     _assert_complete(results)
-    assert saw_stopping, "no replica was stopped while streams ran"
+    assert drained_s is not None, "no replica was stopped while streams ran"
+    assert drained_s > SERVE_DEFAULT_DRAIN_S, f"streams ended {drained_s:.1f} s into the drain"
     assert wait_until_one_replica()
-    print(f"\nscale-down 2 -> 1: {len(results)} streams finished through it ({change_s:.1f} s)")
+    print(f"\nscale-down 2 -> 1: {len(results)} streams finished through it ({change_s:.1f} s; "
+          f"the first ended {drained_s:.1f} s after a replica went STOPPING)")
 
 
 def wait_until_one_replica(timeout_s: float = 120.0) -> bool:

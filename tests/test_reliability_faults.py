@@ -113,8 +113,11 @@ def test_request_timeout_ends_the_stream_with_an_error_event_and_aborts(server):
         results, unary, ended_s = asyncio.run(_in_flight_then(server, lambda: None, 2, 1))
     finally:
         handle.inject_fault.remote("clear").result(timeout_s=30)
-    for r in results:
-        assert not r.done and r.error_events[-1]["error"]["code"] == "timeout"
+    for r in results:  # exactly one error event, the last, and no [DONE]
+        errors = r.error_events
+        assert r.status == 200 and not r.done and "[DONE]" not in r.events
+        assert len(errors) == 1 and r.events[-1] is errors[0] and is_openai_error(errors[0])
+        assert errors[0]["error"]["code"] == "timeout"
     assert unary[0].status_code == 504 and unary[0].json()["error"]["code"] == "timeout"
     assert wait_until(lambda: all(is_idle(s) for s in engine_stats(handle).values()), 30)
 

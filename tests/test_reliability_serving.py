@@ -257,6 +257,17 @@ def test_every_route_but_health_needs_the_key_and_no_key_leaks(server):
     assert not leaks, leaks
 
 
+def test_replica_refuses_inject_fault_unless_enabled(server):
+    """This app does not enable fault injection: every fault is refused through the
+    handle, and the replica keeps serving."""
+    handle = engine_handle()
+    for kind in ("raise", "hang", "slow", "fail_request:x", "clear"):
+        with pytest.raises(Exception, match="fault injection is disabled"):
+            handle.inject_fault.remote(kind).result(timeout_s=30)
+    r = httpx.post(server + "/v1/completions", headers=AUTH, timeout=60, json=_body(0, 4, False))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
 def test_key_compared_as_sha256_digests_in_constant_time(monkeypatch):
     import hashlib
     from types import SimpleNamespace
