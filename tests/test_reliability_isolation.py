@@ -133,6 +133,8 @@ def test_extreme_but_valid_values_answer_clearly_and_the_victim_completes(server
     assert victim.done and not victim.error_events
     assert victim.text == reference(VICTIM_TOKENS)[0]
     _assert_healthy_same_replica(server, replica_id)
+    print(f"\nextreme values: {[r.status_code for r in answers[::2]]} for {len(hostile)} "
+          f"requests; /health 200 after each; the victim's {VICTIM_TOKENS} tokens complete")
 
 
 def test_a_request_whose_sampling_raises_fails_alone(server, reference):
@@ -169,6 +171,8 @@ def test_a_request_whose_sampling_raises_fails_alone(server, reference):
     for i, r in enumerate(normal):
         assert r.done and not r.error_events and r.text == reference(96)[i]
     _assert_healthy_same_replica(server, replica_id)
+    print(f"\nfailing sampling: the request ended after {len(events) - 1} text events with "
+          f"one error event; {len(normal)} streams beside it complete; same replica")
 
 
 _FLOAT_0_1 = st.one_of(st.sampled_from([0.0, 5e-324, 1e-300, 1.0]),
