@@ -1,0 +1,373 @@
+"""Docs as tests: every way README.md and cluster/README.md give to run the app,
+run as written on a local Ray, and checked against what the text says.
+
+The command blocks come from the docs (`<!-- docs-test: NAME -->`, see
+tests/docs_support.py). Each shell starts fresh: a temporary HOME (no Ray token
+yet), the venv activated by the docs' own `source .venv/bin/activate`. The tests
+substitute only what they must, and nothing else:
+
+- a free port for Serve's 8000 (in `curl`/`openai`/`locust` URLs, in a copy of
+  `configs/serve.yaml`, and as `make serve SERVE_FLAGS="--port P"`), and free
+  ports for `ray start --head`'s GCS, dashboard, client server and agent, with
+  `RAY_DASHBOARD_ADDRESS` pointing the `serve` CLI at that dashboard;
+- `make -o .venv/.installed serve`: never reinstall the venv from a test;
+- locust's `--run-time 2m` becomes 12 s, its `--csv` goes to a temp dir;
+- a Ray temp dir per shell, and, where Linux allows, a private PID namespace, so
+  `ray stop` stops only what the test started.
+
+One `ray start` serves the whole second way: deploy, status, the `curl` and
+`openai` examples, the locust command, shutdown. `make serve` and `serve run`
+start their own Ray, as the docs say.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from cluster_support import free_port
+from docs_support import (
+    REPO, Foreground, Shell, Snippet, all_snippets, distinct, leftovers, read_snippets,
+    shell_commands, venv_dir, with_venv,
+)
+
+SNIPPETS = all_snippets()
+# The ways to run the app: where two docs give one, they must give the same commands.
+LIFECYCLE = ("venv", "make-serve", "serve-run", "deploy-up", "deploy-down", "cluster")
+EXPECTED_TAGS = {
+    "README.md": {"venv", "make-serve", "serve-run", "deploy-up", "deploy-down", "cluster",
+                  "curl", "openai"},
+    "cluster/README.md": {"make-serve", "serve-run", "deploy-up", "deploy-down", "cluster",
+                          "curl", "openai"},
+    "loadtests/README.md": {"locust"},
+}
+READY_TIMEOUT_S = 300.0  # a cold Ray and the app on a busy 2-core machine
+
+
+def _one(tag: str) -> Snippet:
+    variants = distinct(SNIPPETS[tag])
+    assert len(variants) == 1, (
+        f"`{tag}` differs between {[s.where for s in variants]}: keep the docs in step")
+    return variants[0]
+
+
+def _sub(snip: Snippet, text: str, pattern: str, repl: str) -> str:
+    new, n = re.subn(pattern, lambda _m: repl, text)
+    assert n, f"{snip.where}: no {pattern!r} in the `{snip.tag}` block (the test substitutes it)"
+    return new
+
+
+def _local_port(snip: Snippet, text: str, port: int) -> str:
+    return _sub(snip, text, r"\b(?:127\.0\.0\.1|localhost):8000\b", f"127.0.0.1:{port}")
+
+
+def _serve_config(snip: Snippet, text: str, dest: Path, port: int) -> str:
+    """`configs/serve.yaml` -> a copy that differs only in http_options.port."""
+    config = yaml.safe_load((REPO / "configs/serve.yaml").read_text())
+    config["http_options"]["port"] = port
+    dest.write_text(yaml.safe_dump(config, sort_keys=False))
+    return _sub(snip, text, r"(?<![\w/.-])configs/serve\.yaml\b", str(dest))
+
+
+def _sse(output: str) -> tuple[list[dict], bool]:
+    """(the JSON events, whether the stream ended with `data: [DONE]`)."""
+    datas = [line[len("data: "):].strip() for line in output.splitlines() if line.startswith("data: ")]
+    events = [json.loads(d) for d in datas if d != "[DONE]"]
+    return events, bool(datas) and datas[-1] == "[DONE]"
+
+
+def _assert_streams(output: str) -> None:
+    events, done = _sse(output)
+    assert done, f"the stream did not end with data: [DONE]:\n{output[-3000:]}"
+    assert not any("error" in e for e in events), output[-3000:]
+    text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for e in events for c in e.get("choices", []))
+    assert len(events) >= 2 and text, f"expected a streamed answer:\n{output[-3000:]}"
+
+
+def _wait_healthy(base: str, alive=lambda: True, timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        # NOTE: a patient client, as curl is: while the engine replica starts, /health
+        # waits for it (up to the ingress's own 10 s check timeout).
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + "/health", timeout=30).status_code == 200:
+                return
+        assert alive(), "the server ended before /health answered"
+        time.sleep(0.5)
+    raise TimeoutError(f"{base}/health did not answer 200 within {timeout_s:.0f}s")
+
+
+def _wait_closed(port: int, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        except httpx.HTTPError:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
+
+
+def _preamble() -> str:
+    return with_venv(_one("venv").text)
+
+
+def _run_bash(sandbox, text: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", with_venv(_one("venv").text) + text], cwd=REPO,
+                          env=sandbox.env("oneshot"), capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    from docs_support import Sandbox
+
+    box = Sandbox(tmp_path_factory.mktemp("docs"))
+    yield box
+    box.cleanup()
+
+
+# --- the docs themselves (no Ray) ---------------------------------------------
+
+def test_docs_mark_the_blocks_the_tests_run():
+    for doc, tags in EXPECTED_TAGS.items():
+        assert {s.tag for s in read_snippets(doc)} == tags, doc
+
+
+@pytest.mark.parametrize("tag", LIFECYCLE)
+def test_each_way_to_run_it_reads_the_same_in_every_doc(tag):
+    _one(tag)
+
+
+def test_deploy_path_sends_ray_token_and_keeps_auth_on():
+    up = shell_commands(_one("deploy-up").text)
+    first = {name: next(i for i, c in enumerate(up) if c.startswith(name))
+             for name in ("export RAY_AUTH_MODE=token", "ray get-auth-token --generate",
+                          "ray start --head", "serve deploy", "serve status")}
+    assert first["export RAY_AUTH_MODE=token"] < first["ray start --head"] < first["serve deploy"]
+    assert first["ray get-auth-token --generate"] < first["ray start --head"]
+    assert any(c.startswith("serve shutdown") for c in shell_commands(_one("deploy-down").text))
+    for snip in (s for snips in SNIPPETS.values() for s in snips):
+        assert "RAY_AUTH_MODE=disabled" not in snip.text, snip.where
+    for path in (REPO / "configs").glob("*.yaml"):
+        assert "RAY_AUTH_MODE=disabled" not in path.read_text(), path
+
+
+# --- way 2, in the background: ray start + serve deploy, one Ray for all -------
+
+class Deployment:
+    def __init__(self, sandbox):
+        self.port, self.gcs, self.dashboard, self.client, self.agent = _free_ports(5)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.shell = Shell(sandbox, "deploy",
+                           RAY_DASHBOARD_ADDRESS=f"http://127.0.0.1:{self.dashboard}")
+        self.sandbox = sandbox
+        self.up = None
+        self.ready_error = None
+        self.down_result = None
+        self.shell_log = None
+
+    def start(self) -> None:
+        venv = self.shell.run("venv", _preamble())
+        assert venv.ok, venv.output
+        snip = _one("deploy-up")
+        text = _serve_config(snip, with_venv(snip.text), self.sandbox.root / "serve-deploy.yaml",
+                             self.port)
+        text = _sub(snip, text, r"\bray start --head\b",
+                    f"ray start --head --port={self.gcs} --dashboard-port={self.dashboard} "
+                    f"--ray-client-server-port={self.client} "
+                    f"--dashboard-agent-listen-port={self.agent}")
+        self.up = self.shell.run("deploy-up", text, timeout_s=240)
+        if self.up.ok:
+            try:
+                _wait_healthy(self.base)
+            except (TimeoutError, AssertionError) as exc:
+                self.ready_error = f"{exc}\n{self.sandbox.ray_logs('deploy')}"
+
+    def require_up(self) -> None:
+        assert self.up is not None and self.up.ok, (
+            f"deploy-up failed: {self.up and self.up.failed}\n{self.up and self.up.output[-6000:]}")
+        assert self.ready_error is None, self.ready_error
+
+    def down(self):
+        if self.down_result is None:
+            snip = _one("deploy-down")
+            try:
+                self.down_result = self.shell.run("deploy-down", with_venv(snip.text), timeout_s=120)
+            finally:
+                self.shell_log = self.shell.close()
+        return self.down_result
+
+
+@pytest.fixture(scope="module")
+def deployment(sandbox):
+    dep = Deployment(sandbox)
+    try:
+        dep.start()
+        yield dep
+    finally:
+        with contextlib.suppress(Exception):
+            dep.down()
+        dep.shell.kill()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_deploy_up_runs_as_written_with_ray_token_auth_on(deployment, sandbox):
+    deployment.require_up()
+    assert "AuthenticationError" not in deployment.up.output
+    token = (sandbox.home / ".ray" / "auth_token").read_text().strip()
+    assert token  # made by `ray get-auth-token --generate` on this fresh HOME
+    url = f"http://127.0.0.1:{deployment.dashboard}/api/serve/applications/"
+    assert httpx.get(url, timeout=10).status_code == 401  # Ray's auth is on ...
+    ok = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert ok.status_code == 200 and "stepstream" in ok.text  # ... and the token opens it
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_serve_status_says_running(deployment):
+    deployment.require_up()
+    (status,) = [c for c in shell_commands(_one("deploy-up").text) if c.startswith("serve status")]
+    deadline = time.monotonic() + 120
+    while True:
+        res = deployment.shell.run("serve-status", status + "\n", timeout_s=60)
+        assert res.ok, res.output
+        apps = yaml.safe_load(res.output[res.output.index("proxies:"):])["applications"]
+        if apps["stepstream"]["status"] == "RUNNING" or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert apps["stepstream"]["status"] == "RUNNING", res.output
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("snip", distinct(SNIPPETS["curl"]), ids=lambda s: s.where)
+def test_curl_example_streams_to_done(deployment, snip):
+    deployment.require_up()
+    res = deployment.shell.run("curl", _local_port(snip, snip.text, deployment.port), timeout_s=120)
+    assert res.ok, res.output
+    _assert_streams(res.output)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("snip", distinct(SNIPPETS["openai"]), ids=lambda s: s.where)
+def test_openai_client_example_prints_a_streamed_answer(deployment, snip):
+    deployment.require_up()
+    res = deployment.shell.run("openai", _local_port(snip, snip.text, deployment.port),
+                               lang="python", timeout_s=120)
+    assert res.ok, res.output
+    assert res.output.strip(), "the example printed nothing"
+    if "include_usage" in snip.text:
+        assert re.search(r"completion_tokens=\d+", res.output), res.output
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_locust_headless_command_writes_ttft_itl_tpot_rows(deployment, sandbox):
+    deployment.require_up()
+    snip = _one("locust")
+    out = sandbox.root / "locust-results"
+    text = _local_port(snip, snip.text, deployment.port)
+    # NOTE: locust rewrites the CSV once a second and not at exit: the run must outlast
+    # the first requests (~7 s each at 32 users on 2 cores) by a few seconds.
+    text = _sub(snip, text, r"--run-time \S+", "--run-time 12s")
+    text = _sub(snip, text, r"--csv results/", f"--csv {out}/")
+    res = deployment.shell.run("locust", text, timeout_s=120)
+    assert res.ok, res.output[-4000:]
+    prefix = re.search(r"--csv (\S+)", text).group(1)
+    with open(f"{prefix}_stats.csv", newline="") as f:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+    post = rows[("POST", "/v1/completions")]
+    assert int(post["Request Count"]) > 0 and int(post["Failure Count"]) == 0, post
+    for kind in ("TTFT", "ITL", "TPOT"):
+        assert int(rows[(kind, "/v1/completions")]["Request Count"]) > 0, kind
+    assert all(int(r["Failure Count"]) == 0 for r in rows.values()), rows
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_deploy_down_stops_serve_and_ray(deployment):
+    deployment.require_up()
+    res = deployment.down()
+    assert res.ok, res.output
+    assert _wait_closed(deployment.port), "Serve still answers after serve shutdown + ray stop"
+    left = leftovers(deployment.shell_log)
+    assert not left, f"Ray processes left after `ray stop`: {left}"
+
+
+# --- way 2, in the foreground: serve run -----------------------------------------
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_serve_run_serves_until_ctrl_c(sandbox):
+    snip = _one("serve-run")
+    port = free_port()
+    text = _serve_config(snip, with_venv(snip.text), sandbox.root / "serve-run.yaml", port)
+    fg = Foreground(sandbox, "serve-run", _preamble(), text)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", alive=lambda: fg.proc.poll() is None)
+        curl = _one_curl()
+        res = _run_bash(sandbox, _local_port(curl, curl.text, port))
+        assert res.returncode == 0, res.stderr
+        _assert_streams(res.stdout)
+        rc = fg.interrupt()
+    finally:
+        fg.kill()
+    assert rc == 0, fg.output()[-4000:]
+    assert _wait_closed(port)
+    left = leftovers(fg.output())
+    assert not left, f"Ray processes left after Ctrl-C: {left}"
+
+
+def _one_curl() -> Snippet:
+    return distinct(SNIPPETS["curl"])[0]
+
+
+# --- way 1: make serve -----------------------------------------------------------
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_serve_prints_url_and_a_curl_line_that_streams(sandbox):
+    snip = _one("make-serve")
+    port = free_port()
+    venv = venv_dir()
+    make = f"make -o {venv}/.installed serve SERVE_FLAGS=\"--port {port}\""
+    if venv.resolve() != (REPO / ".venv").resolve():
+        make += f" VENV={venv}"
+    text = _sub(snip, snip.text, r"^make serve\b", make)
+    fg = Foreground(sandbox, "make-serve", _preamble(), text)
+    try:
+        url = fg.wait_for(r"^Serving at (\S+)$", READY_TIMEOUT_S).group(1)
+        assert url == f"http://127.0.0.1:{port}/v1"
+        curl_line = fg.wait_for(r"^curl .*$", 10).group(0)
+        res = _run_bash(sandbox, curl_line)
+        assert res.returncode == 0, res.stderr
+        _assert_streams(res.stdout)
+        fg.interrupt()  # make's own status after Ctrl-C is 2 or 130: not the launcher's
+    finally:
+        fg.kill()
+    assert _wait_closed(port), "Serve still answers after Ctrl-C"
+    left = leftovers(fg.output())
+    assert not left, f"Ray processes left after Ctrl-C: {left}"
