@@ -216,7 +216,8 @@ class EngineReplica:
                 "vocab_size": self._engine.vocab_size,
                 "eos_token_ids": list(self._engine.eos_token_ids)}
 
-    def stats(self) -> dict:
+    def stats(self, pin_replica_id: str | None = None) -> dict:
+        """`pin_replica_id`: ask this very replica (read by the router)."""
         return {**self._engine.stats(), **self._counts, "replica_id": self._replica_id,
                 "num_outboxes": len(self._outboxes)}
 
@@ -239,9 +240,11 @@ class EngineReplica:
         self.check_health()
         return True
 
-    def inject_fault(self, kind: str, step_delay_s: float = 0.05) -> str:
+    def inject_fault(self, kind: str, step_delay_s: float = 0.05,
+                     pin_replica_id: str | None = None) -> str:
         """Test-only (cluster/faults.py): 'raise', 'hang', 'slow' or 'clear'; returns
-        this replica's id. Refused unless fault injection was enabled for this app."""
+        this replica's id. Refused unless fault injection was enabled for this app.
+        `pin_replica_id`: the replica to break (read by the router)."""
         if self._faults is None:
             raise PermissionError("fault injection is disabled on this replica")
         self._faults.inject(kind, step_delay_s)

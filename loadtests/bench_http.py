@@ -1,11 +1,14 @@
 """The full HTTP path through Ray Serve beside the offline engine, in one run:
 `python -m loadtests.bench_http`.
 
-Rows: the offline AsyncEngine (no HTTP), the app with stream merging (default
-chunk budget, and any budgets given with --budgets), the app with merging off (one
-chunk per token), and the same at concurrency 1 for the TTFT the HTTP path adds.
-Workload as issue 4: the `tiny` preset, N prompts of 128 tokens, 128 output tokens,
-ignore_eos, all sent at once, streaming.
+Rows: the offline AsyncEngine (no HTTP); the app behind Serve's own HTTP proxy;
+the app behind Serve's HAProxy front door (`--fast-front-door`); and both paths
+at concurrency 1, for the TTFT the HTTP path adds. Workload: the `tiny` preset,
+N prompts of 128 tokens, 128 output tokens, ignore_eos, all sent at once,
+streaming.
+
+`tok/event` is output tokens per SSE event; at least `2 - tok/event` of the
+events carry exactly one token (every event carries one or more).
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ def _served(args: list[str], model: str, n: int, input_len: int, output_len: int
                           ignore_eos=True, disable_tqdm=True, max_concurrency=concurrency,
                           tokenizer="replicas/assets")
         r = asyncio.run(run_benchmark(cfg))
-    return {"output_tokens_per_s": r["output_throughput"], **{k: r[k] for k in KEYS[1:] if k in r}}
+    return {"output_tokens_per_s": r["output_throughput"], **{k: r[k] for k in KEYS[1:] if k in r},
+            "failed": r.get("failed", 0)}
 
 
 def _offline(model: str, n: int, concurrency: int, input_len: int, output_len: int) -> dict:
@@ -45,27 +49,32 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--budgets", type=int, nargs="*", default=[],
-                    help="extra rows with these --max-chunks-per-s values")
+    ap.add_argument("--no-fast-front-door", action="store_true",
+                    help="skip the rows behind Serve's HAProxy front door")
     ap.add_argument("--result-dir", default="results")
     args = ap.parse_args()
     os.makedirs(args.result_dir, exist_ok=True)
     log = os.path.join(args.result_dir, "bench_http_server.log")
     n, il, ol, m = args.num_prompts, args.input_len, args.output_len, args.model
-    rows = {"offline": _offline(m, n, n, il, ol),
-            "http merge": _served([], m, n, il, ol, None, log)}
-    for budget in args.budgets:
-        rows[f"http merge, {budget} chunks/s"] = _served(["--max-chunks-per-s", str(budget)], m, n, il, ol, None, log)
-    rows["http no-merge"] = _served(["--no-stream-merge"], m, n, il, ol, None, log)
+    paths = {"http": []} if args.no_fast_front_door else {"http": [], "http fast": ["--fast-front-door"]}
+    rows = {"offline": _offline(m, n, n, il, ol)}
+    for name, flags in paths.items():
+        rows[name] = _served(flags, m, n, il, ol, None, log)
     rows["offline c=1"] = _offline(m, 10, 1, il, ol)
-    rows["http c=1"] = _served([], m, 10, il, ol, 1, log)
+    for name, flags in paths.items():
+        rows[f"{name} c=1"] = _served(flags, m, 10, il, ol, 1, log)
     print(f"\n{m}, {n} prompts, {il} in / {ol} out, streaming")
     print("| row | " + " | ".join(KEYS) + " |\n|" + "---|" * (len(KEYS) + 1))
     for name, r in rows.items():
         print(f"| {name} | " + " | ".join(f"{r.get(k, float('nan')):.2f}" for k in KEYS) + " |")
-    added = rows["http c=1"]["median_ttft_ms"] - rows["offline c=1"]["median_ttft_ms"]
-    print(f"HTTP path adds {added:.1f} ms median TTFT at concurrency 1; "
-          f"throughput http/offline = {rows['http merge']['output_tokens_per_s'] / rows['offline']['output_tokens_per_s']:.2f}")
+    offline = rows["offline"]["output_tokens_per_s"]
+    for name in paths:
+        r, r1 = rows[name], rows[f"{name} c=1"]
+        added = r1["median_ttft_ms"] - rows["offline c=1"]["median_ttft_ms"]
+        per_event = r["mean_tokens_per_chunk"]
+        print(f"{name}: {r['output_tokens_per_s'] / offline:.2f}x offline tok/s; "
+              f"{per_event:.3f} tok/event (>= {max(0.0, 2 - per_event):.3f} of events carry one "
+              f"token); +{added:.1f} ms median TTFT at concurrency 1; failed {r['failed']}")
     with open(os.path.join(args.result_dir, "bench_http.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

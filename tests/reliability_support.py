@@ -86,6 +86,15 @@ def replica_actor_name(replica_unique_id: str, deployment: str = "EngineReplica"
     return ReplicaID(replica_unique_id, DeploymentID(deployment, app)).to_full_id_str()
 
 
+def engine_replica_ids(app: str = "stepstream") -> list[str]:
+    """The ids of the engine replicas alive now (from their Ray actor names)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#EngineReplica#"
+    return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == "serve" and a["name"].startswith(prefix))
+
+
 def engine_stats(handle, num_replicas: int = 1, max_calls: int = 60) -> dict[str, dict]:
     """The latest stats of every engine replica (a call lands on a random one)."""
     seen: dict[str, dict] = {}

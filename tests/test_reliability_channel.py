@@ -1,0 +1,147 @@
+"""The per-step channel under failures, on a real local Ray with two engine replicas:
+
+- an engine replica killed: exactly its streams end with an SSE error event (no
+  truncation, no `[DONE]`); streams on the other replica finish with `[DONE]`;
+- the ingress replica killed: the engines abort every request it owned and free
+  their KV blocks within a bounded time, and a restarted ingress serves again;
+- requests spread over both replicas, each stream's tokens on its replica's channel.
+
+One app for the module; Serve and Ray always shut down."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from cluster_support import engine_handle, serve_app, wait_until
+from reliability_support import (engine_replica_ids, is_idle, is_openai_error,
+                                 replica_actor_name, stream_request)
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+MODEL = "tiny"
+APP_ARGS = {"model": MODEL, "engine_num_cpus": 0.5, "ingress_num_cpus": 0.5, "num_threads": 1,
+            "num_engine_replicas": 2, "max_num_seqs": 16, "num_kv_blocks": 512,
+            "num_scheduler_steps": 4, "max_model_len": 512, "enable_fault_injection": True,
+            "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
+            "graceful_shutdown_timeout_s": 10.0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_app(APP_ARGS, num_cpus=3) as base:
+        yield base
+
+
+def _body(max_tokens: int = 400) -> dict:
+    return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def _fault_both(handle, kind: str, step_delay_s: float = 0.05) -> None:
+    """The same fault on both engine replicas ("slow": streams stay in flight)."""
+    for rid in engine_replica_ids():
+        handle.inject_fault.remote(kind, step_delay_s, pin_replica_id=rid).result(timeout_s=30)
+
+
+def _stats(handle) -> dict[str, dict]:
+    """Every engine replica's stats, each asked directly (pinned)."""
+    return {rid: handle.stats.remote(pin_replica_id=rid).result(timeout_s=30)
+            for rid in engine_replica_ids()}
+
+
+def _running(handle) -> dict[str, int]:
+    return {rid: s["num_running"] for rid, s in _stats(handle).items()}
+
+
+def test_a_killed_engine_replica_fails_only_its_own_streams(server):
+    import ray
+
+    handle = engine_handle()
+    _fault_both(handle, "slow")
+    num_streams = 8
+
+    async def run():
+        url = server + "/v1/completions"
+        async with httpx.AsyncClient(timeout=120) as client:
+            streams = [asyncio.ensure_future(stream_request(client, url, _body(300)))
+                       for _ in range(num_streams)]
+            await asyncio.to_thread(
+                wait_until, lambda: sum(_running(handle).values()) == num_streams, 60)
+            running = await asyncio.to_thread(_running, handle)
+            victim = max(running, key=running.get)
+            assert all(running.values()), f"both replicas should hold streams: {running}"
+            actor = ray.get_actor(replica_actor_name(victim), namespace="serve")
+            await asyncio.to_thread(ray.kill, actor, no_restart=True)
+            results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        return running[victim], results
+
+    num_on_victim, results = asyncio.run(run())
+    failed = [r for r in results if not r.done]
+    for r in failed:
+        assert r.status == 200 and r.events, r
+        errors = r.error_events
+        assert len(errors) == 1 and r.events[-1] is errors[0] and is_openai_error(errors[0])
+    for r in results:
+        if r.done:
+            assert r.finish_reason == "length" and not r.error_events
+    assert len(failed) == num_on_victim, (len(failed), num_on_victim)
+    # Serve replaces the killed replica: wait for two healthy engines again.
+    assert wait_until(lambda: len(engine_replica_ids()) == 2 and len(_stats(handle)) == 2, 120)
+    print(f"\nengine replica killed: {len(failed)} of {num_streams} streams (exactly those it "
+          "held) ended with an error event; the others finished")
+
+
+def _crash_the_ingress() -> None:
+    """SIGKILL the ingress replica's process, as a crash would (no Ray-side cleanup)."""
+    import psutil
+
+    procs = [p for p in psutil.process_iter(["cmdline"])
+             if "ServeReplica:stepstream:Ingress" in " ".join(p.info["cmdline"] or [])]
+    assert len(procs) == 1, procs
+    procs[0].kill()
+
+
+def test_a_killed_ingress_leaves_no_request_running(server):
+    handle = engine_handle()
+    _fault_both(handle, "slow")
+    num_streams = 6
+
+    async def run():
+        url = server + "/v1/completions"
+        async with httpx.AsyncClient(timeout=60) as client:
+            streams = [asyncio.ensure_future(stream_request(client, url, _body()))
+                       for _ in range(num_streams)]
+            await asyncio.to_thread(
+                wait_until, lambda: sum(_running(handle).values()) == num_streams, 60)
+            killed_at = time.monotonic()
+            await asyncio.to_thread(_crash_the_ingress)
+            await asyncio.gather(*streams, return_exceptions=True)  # cut by the proxy
+        return killed_at
+
+    killed_at = asyncio.run(run())
+    # 400 tokens at 50 ms a step would run for 20 s: idle much sooner means aborted.
+    assert wait_until(lambda: all(is_idle(s) for s in _stats(handle).values()), 15)
+    aborted_s = time.monotonic() - killed_at
+    stats = _stats(handle).values()
+    # Ended by the engines: cancelled (Serve cancelled the dead caller's calls) or
+    # orphaned (the replica noticed its ingress was gone), never finished.
+    ended = {k: sum(s[k] for s in stats) for k in ("num_requests_cancelled",
+                                                    "num_requests_orphaned")}
+    assert sum(ended.values()) >= num_streams, ended
+    _fault_both(handle, "clear")
+    with httpx.Client(timeout=30) as c:  # Serve restarts the ingress
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                r = c.post(server + "/v1/completions", json={**_body(4), "stream": False})
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the ingress did not come back"
+            time.sleep(0.5)
+    print(f"\ningress killed: its {num_streams} requests aborted and every block free "
+          f"{aborted_s:.1f} s later ({ended})")
