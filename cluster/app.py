@@ -2,18 +2,21 @@
 
 `args` (the `args:` of a Serve config, or a dict from `serve_local`) are validated
 by `AppArgs` (unknown keys are errors, so a typo in a config fails at deploy
-time), mapped onto `replicas.config.EngineConfig` (which checks its own ranges)
-and onto the deployment options of the two deployments. Torch-free.
+time), mapped onto `replicas.config.EngineConfig` (which checks its own ranges;
+`AppArgs` takes its engine fields from it through `cluster/engine_args.py`, so
+every engine field is a config key of the same name) and onto the deployment
+options of the two deployments. Torch-free.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from cluster.engine_args import EngineArgs, engine_config_dict
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES, Ingress
 from cluster.replica import EngineReplica
 from cluster.routing import ROUTER_PATH
@@ -24,29 +27,14 @@ from cluster.routing import ROUTER_PATH
 _UNARY_HEADROOM = 16
 
 
-class AppArgs(BaseModel):
+class AppArgs(EngineArgs):
+    """The `args:` of a Serve config. The engine fields come from `EngineArgs`
+    (derived from `EngineConfig`: same names, defaults and range checks; `device`
+    defaults to "cuda" when engine_num_gpus > 0, else "cpu"); the rest is ours."""
+
     model_config = ConfigDict(extra="forbid")
 
-    # Model and engine (-> EngineConfig).
-    model: str = "tiny"
     served_model_name: str | None = None  # default: `model`
-    dtype: str = "float32"
-    device: str | None = None  # default: "cuda" when engine_num_gpus > 0, else "cpu"
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_gib: float = 1.0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    num_scheduler_steps: int = 8
-    async_output: bool = True
-    release_per_step: bool = True
-    attention_backend: str = "auto"
-    seed: int = 0
-    num_threads: int | None = None
-    max_waiting_requests: int | None = None
-    max_waiting_prompt_tokens: int | None = None
-    enable_prefix_caching: bool = True
     # The per-step channel between engine and ingress replicas. An idle channel
     # closes after this long (so it never holds a draining replica) and reopens on
     # demand.
@@ -117,21 +105,7 @@ class AppArgs(BaseModel):
         return self.served_model_name or self.model
 
     def engine_config_dict(self) -> dict:
-        device = self.device or ("cuda" if self.engine_num_gpus > 0 else "cpu")
-        return {
-            "model": self.model, "dtype": self.dtype, "device": device,
-            "max_model_len": self.max_model_len, "block_size": self.block_size,
-            "num_kv_blocks": self.num_kv_blocks, "kv_cache_gib": self.kv_cache_gib,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "num_scheduler_steps": self.num_scheduler_steps,
-            "async_output": self.async_output, "release_per_step": self.release_per_step,
-            "attention_backend": self.attention_backend, "seed": self.seed,
-            "max_waiting_requests": self.max_waiting_requests,
-            "max_waiting_prompt_tokens": self.max_waiting_prompt_tokens,
-            "num_threads": self.num_threads,
-            "enable_prefix_caching": self.enable_prefix_caching,
-        }
+        return engine_config_dict(self, self.engine_num_gpus)
 
     def engine_config(self):
         from replicas.config import EngineConfig

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 
 from cluster.access import API_KEY_ENV, check_access
+from cluster.engine_args import add_engine_flags, engine_flag_values
 
 APP_NAME = "stepstream"
 # Serve's HAProxy front door: HAProxy takes the HTTP port and forwards straight to
@@ -40,21 +41,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cluster.serve_local",
                                 description="Serve stepstream on a local Ray.")
     p.add_argument("--config", help="a Serve config YAML (e.g. configs/serve.yaml) as the base")
-    p.add_argument("--model", help="preset name (tiny, small) or a local HF directory")
     p.add_argument("--served-model-name")
     p.add_argument("--host", help="default 127.0.0.1")
     p.add_argument("--port", type=int, help="default 8000")
-    p.add_argument("--num-scheduler-steps", type=int)
-    p.add_argument("--release-per-window", action="store_true",
-                   help="release tokens at the end of each multi-step window, not per step")
-    p.add_argument("--no-async-output", action="store_true")
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--num-kv-blocks", type=int)
+    # One flag per EngineConfig field (--model, --num-scheduler-steps,
+    # --no-async-output, --enforce-eager, ...), so none is forgotten.
+    add_engine_flags(p)
+    p.add_argument("--release-per-window", dest="release_per_step", action="store_const",
+                   const=False, help="= --no-release-per-step: release tokens at the end of "
+                   "each multi-step window, not per step")
     p.add_argument("--num-engine-replicas", type=int)
     p.add_argument("--num-ingress-replicas", type=int)
     p.add_argument("--engine-num-cpus", type=float)
-    p.add_argument("--num-threads", type=int, help="torch threads per engine replica")
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>'; better the env "
                    "var STEPSTREAM_API_KEY (a flag shows in the process list)")
     p.add_argument("--allow-unauthenticated", action="store_true",
@@ -79,19 +77,14 @@ def _read_config(path: str) -> tuple[dict, dict]:
 def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
     """(AppArgs dict, host, port) from the config file and the flags."""
     args, http = _read_config(ns.config) if ns.config else ({}, {})
-    flags = {"model": ns.model, "served_model_name": ns.served_model_name,
-             "num_scheduler_steps": ns.num_scheduler_steps, "max_num_seqs": ns.max_num_seqs,
-             "max_model_len": ns.max_model_len, "num_kv_blocks": ns.num_kv_blocks,
+    flags = {"served_model_name": ns.served_model_name,
              "num_engine_replicas": ns.num_engine_replicas,
              "num_ingress_replicas": ns.num_ingress_replicas,
-             "engine_num_cpus": ns.engine_num_cpus, "num_threads": ns.num_threads,
+             "engine_num_cpus": ns.engine_num_cpus,
              "allow_unauthenticated": ns.allow_unauthenticated or None}
+    args.update(engine_flag_values(ns))
     args.update({k: v for k, v in flags.items() if v is not None})
     _use_key(args, ns.api_key or os.environ.get(API_KEY_ENV))
-    if ns.release_per_window:
-        args["release_per_step"] = False
-    if ns.no_async_output:
-        args["async_output"] = False
     host = ns.host or http.get("host") or "127.0.0.1"
     port = ns.port or int(http.get("port") or 8000)
     return args, host, port
