@@ -35,7 +35,6 @@ MATRIX = (
     ConfigRow("N1", ("--num-scheduler-steps", "1")),
     ConfigRow("N8-window", ("--num-scheduler-steps", "8", "--release-per-window")),
     ConfigRow("N8-step", ("--num-scheduler-steps", "8")),
-    ConfigRow("N8-step-nomerge", ("--num-scheduler-steps", "8", "--no-stream-merge")),
     # NOTE: without streaming TTFT is the whole latency and ITL is empty.
     ConfigRow("non-stream", ("--num-scheduler-steps", "8"), stream=False),
 )

@@ -192,7 +192,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=1)
     p.add_argument("--release-per-window", action="store_true")
     # Accepted for serve_local compatibility; they change nothing here.
-    p.add_argument("--no-stream-merge", action="store_true")
     p.add_argument("--no-async-output", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--step-ms", type=float, default=1.0)

@@ -1,0 +1,47 @@
+"""The local launcher's `--fast-front-door` (Serve's HAProxy front door instead of
+its Python proxy) serves the same OpenAI API: streams end with `[DONE]` and carry
+the same text as a non-streaming answer, concurrent streams all complete, and the
+launcher shuts down cleanly."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from loadtests.local_server import LocalServer
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+        "ignore_eos": True}
+
+
+async def _stream(client: httpx.AsyncClient, url: str) -> tuple[str, bool]:
+    text, done = [], False
+    async with client.stream("POST", url, json={**BODY, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(text), done
+
+
+def test_fast_front_door_serves_streams_like_the_default_proxy(tmp_path):
+    flags = ["--fast-front-door", "--num-cpus", "3", "--max-num-seqs", "16",
+             "--num-kv-blocks", "512", "--max-model-len", "512"]
+    with LocalServer(flags, log_path=tmp_path / "server.log", stop_timeout_s=60) as srv:
+        url = srv.base_url + "/v1/completions"
+        whole = httpx.post(url, json=BODY, timeout=60).json()["choices"][0]["text"]
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(_stream(client, url) for _ in range(8)))
+
+        results = asyncio.run(run())
+        assert all(done and text == whole for text, done in results), results
+        process = srv.process
+    assert process.returncode == 0, (tmp_path / "server.log").read_text()[-2000:]
