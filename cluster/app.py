@@ -42,6 +42,12 @@ class AppArgs(EngineArgs):
     # Requests whose ingress left them with no channel this long are aborted (an
     # ingress that died is also noticed by pinging it every few seconds).
     ingress_detach_timeout_s: float = Field(30.0, gt=0.0)
+    # Prefix-aware routing across engine replicas: prompts whose first
+    # `prefix_routing_tokens` tokens (whole KV blocks) agree go to the same replica,
+    # unless its queue is `prefix_routing_imbalance` requests longer than the
+    # shortest. 0: Serve's power of two choices only.
+    prefix_routing_tokens: int = Field(256, ge=0)
+    prefix_routing_imbalance: int = Field(8, ge=0)
     # Deployments.
     num_engine_replicas: int = Field(1, ge=1)
     engine_num_cpus: float = Field(1.0, ge=0.0)
@@ -122,7 +128,9 @@ class AppArgs(EngineArgs):
         if self.engine_num_gpus:
             actor["num_gpus"] = self.engine_num_gpus
         options = {"ray_actor_options": actor, "max_ongoing_requests": max_ongoing,
-                   "request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
+                   "request_router_config": RequestRouterConfig(
+                       request_router_class=ROUTER_PATH,
+                       request_router_kwargs=self.router_kwargs()),
                    "max_queued_requests": self.engine_max_queued_requests,
                    "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
                    "health_check_period_s": self.health_check_period_s,
@@ -132,6 +140,12 @@ class AppArgs(EngineArgs):
         else:
             options["num_replicas"] = self.num_engine_replicas
         return options
+
+    def router_kwargs(self) -> dict:
+        """`cluster.routing.PinnedRouter.initialize_state`'s arguments."""
+        tokens = self.prefix_routing_tokens if self.enable_prefix_caching else 0
+        return {"prefix_tokens": tokens, "block_size": self.block_size,
+                "imbalance_threshold": self.prefix_routing_imbalance}
 
     def ingress_options(self) -> dict:
         return {"num_replicas": self.num_ingress_replicas,

@@ -1,30 +1,73 @@
-"""Request routing to engine replicas: Serve's power of two choices, plus pinning.
+"""Request routing to engine replicas: pinning, prefix affinity, then Serve's
+power of two choices.
 
-A channel call names the replica it must reach (`pin_replica_id`): the per-step
-channel of an ingress belongs to the replica that admitted its requests. Every
-other call (admission, unary calls) is routed by Serve's own policy. This is
-Serve's request-router extension point (`request_router_config`), so routing
-keeps Serve's queue-length probing, backoff and replica bookkeeping.
+- A channel call (and a unary call that names its replica) carries
+  `pin_replica_id`: the per-step channel of an ingress belongs to the replica that
+  admitted its requests.
+- An admission call carries an `EngineRequest` (cluster/wire.py): its prompt's
+  first blocks pick a preferred replica (cluster/prefix_affinity.py), where the
+  prefix's KV blocks are likely cached, unless that replica is much busier.
+- Everything else, and the fallback, is Serve's own power of two choices.
 
-A pinned call waits (with Serve's backoff) while its replica is not among the
-running ones; the ingress bounds that wait (see `cluster/channels.py`).
+This is Serve's request-router extension point (`request_router_config`), so
+routing keeps Serve's queue-length probing, backoff, queue bounds and replica
+bookkeeping. A pinned call waits (with Serve's backoff) while its replica is not
+among the running ones; the ingress bounds that wait (see cluster/channels.py).
 """
 from __future__ import annotations
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from cluster.prefix_affinity import choose, prefix_key
+
 PIN_KWARG = "pin_replica_id"
 
 
 class PinnedRouter(PowerOfTwoChoicesRequestRouter):
+    def initialize_state(self, prefix_tokens: int = 0, block_size: int = 16,
+                         imbalance_threshold: int = 8, **kwargs) -> None:
+        """`prefix_tokens` 0 turns prefix affinity off."""
+        self._prefix_tokens = prefix_tokens
+        self._block_size = block_size
+        self._imbalance_threshold = imbalance_threshold
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        pin = pending_request.kwargs.get(PIN_KWARG) if pending_request is not None else None
-        if pin is not None:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
+        if pending_request is not None:
+            pin = pending_request.kwargs.get(PIN_KWARG)
+            if pin is not None:
+                return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
+            preferred = self._prefix_choice(candidate_replicas, pending_request)
+            if preferred is not None:
+                # NOTE: a second rank: if the preferred replica refuses (its queue is
+                # full), Serve's usual choice among the rest follows.
+                rest = await super().choose_replicas(candidate_replicas, pending_request)
+                return [[preferred]] + rest
         return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def _prefix_choice(self, candidates: list[RunningReplica],
+                       pending_request: PendingRequest) -> RunningReplica | None:
+        if not getattr(self, "_prefix_tokens", 0) or len(candidates) < 2:
+            return None
+        args = pending_request.args
+        prompt = _prompt_of(args[0]) if args else None
+        if prompt is None:
+            return None
+        key = prefix_key(prompt, self._prefix_tokens, self._block_size)
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        cache = self._replica_queue_len_cache
+        queue_lens = {rid: cache.get(r.replica_id) for rid, r in by_id.items()}
+        chosen = choose(key, list(by_id), queue_lens, self._imbalance_threshold)
+        return None if chosen is None else by_id[chosen]
+
+
+def _prompt_of(wire) -> list[int] | None:
+    """The prompt ids of an admission call's `EngineRequest` wire list."""
+    if isinstance(wire, list) and len(wire) == 4 and isinstance(wire[1], list):
+        return wire[1]
+    return None
 
 
 ROUTER_PATH = f"{PinnedRouter.__module__}.{PinnedRouter.__name__}"
