@@ -21,6 +21,7 @@ from replicas.presets import ensure_model_dir
 from replicas.request import DeltaSink, Request, RequestStatus
 from replicas.sampler import probe_rows
 from replicas.scheduler import Scheduler, SchedulerOutput
+from replicas.step_output import StepOutput
 from replicas.step_isolation import (bisect, control_request, is_engine_fault,
                                      unfinished_seqs)
 
@@ -147,16 +148,11 @@ class EngineCore:
         output = self.output
         done = [0]  # steps whose tokens were taken
 
-        def on_step(step: int, rows: list[Request], sampled: list) -> None:
+        def on_step(step: int, rows: list[Request], sampled: StepOutput) -> None:
             counts = []
-            if sampled and isinstance(sampled[0], list):
-                for req, packed in zip(rows, sampled):
-                    req.output_token_ids.append(int(packed[0]))
-                    counts.append(len(req.output_token_ids))
-            else:
-                for req, token in zip(rows, sampled):
-                    req.output_token_ids.append(token)
-                    counts.append(len(req.output_token_ids))
+            for req, token in zip(rows, sampled.token_ids):
+                req.output_token_ids.append(token)
+                counts.append(len(req.output_token_ids))
             done[0] += 1
             self.num_steps += 1
             self.last_step_time = time.monotonic()

@@ -2,7 +2,8 @@
 decode steps whose inputs advance in place on the device.
 
 The step's only host sync is `_host_sync` (the sampled ids, and logprobs when
-asked, in one tensor); everything else stays on the device. On CUDA it is
+asked, in one tensor, handed on as a `StepOutput`); everything else stays on the
+device. On CUDA it is
 `_host_sync_pending` instead: an async copy into pinned memory, waited for only
 after the next step is enqueued; decode steps there replay CUDA graphs
 (replicas/cuda_graphs.py).
@@ -24,13 +25,14 @@ from replicas.request import Request
 from replicas.sampler import SamplingBatch, build_sampling_batch, sample_no_sync
 from replicas.scheduler import SchedulerOutput
 from replicas.step_advance import advance_decode_inputs_
+from replicas.step_output import StepOutput
 
 logger = logging.getLogger("stepstream")
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# (step index in the window, rows sampled, host copy of the packed sample tensor)
-StepCallback = Callable[[int, list[Request], list], None]
+# (step index in the window, rows sampled, the step's sampled tokens on the host)
+StepCallback = Callable[[int, list[Request], StepOutput], None]
 
 
 @dataclass(slots=True)
@@ -188,14 +190,14 @@ class ModelRunner:
             on_step(sched.num_steps - 1, inputs.sampled_rows, self._host_sync_pending(pending))
 
     @staticmethod
-    def _host_sync(packed: torch.Tensor) -> list:
+    def _host_sync(packed: torch.Tensor) -> StepOutput:
         """NOTE: the step's one device-to-host sync point."""
-        return packed.tolist()
+        return StepOutput.from_host(packed.tolist())
 
     @staticmethod
-    def _host_sync_pending(pending: PendingHostCopy) -> list:
+    def _host_sync_pending(pending: PendingHostCopy) -> StepOutput:
         """NOTE: the step's one device-to-host sync point on CUDA: waits for this
         step's copy event only, while later steps keep the device busy."""
         if pending.event is not None:
             pending.event.synchronize()
-        return pending.host.tolist()
+        return StepOutput.from_host(pending.host.tolist())

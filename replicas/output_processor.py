@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from deltas.collector import WakeBatch
 from deltas.types import FinishReason, TokenDelta
 from replicas.request import Request
+from replicas.step_output import StepOutput
 
 logger = logging.getLogger("stepstream")
 
@@ -33,7 +34,8 @@ class OutputProcessor:
         self.cpu_time_s = 0.0  # thread CPU time spent in process_step (benchmarks)
 
     # -- engine-thread side ---------------------------------------------------
-    def submit(self, rows: list[Request], sampled: list, counts: list[int], is_window_end: bool) -> None:
+    def submit(self, rows: list[Request], sampled: StepOutput, counts: list[int],
+               is_window_end: bool) -> None:
         if self._executor is None:
             self.process_step(rows, sampled, counts, is_window_end)
             return
@@ -61,14 +63,17 @@ class OutputProcessor:
             self._executor.shutdown(wait=True, cancel_futures=True)
 
     # -- the per-step loop (output thread when async) ---------------------------
-    def process_step(self, rows: list[Request], sampled: list, counts: list[int], is_window_end: bool) -> None:
+    def process_step(self, rows: list[Request], sampled: StepOutput, counts: list[int],
+                     is_window_end: bool) -> None:
         start = time.thread_time()
         self._process_step(rows, sampled, counts, is_window_end)
         self.cpu_time_s += time.thread_time() - start
 
-    def _process_step(self, rows: list[Request], sampled: list, counts: list[int], is_window_end: bool) -> None:
+    def _process_step(self, rows: list[Request], sampled: StepOutput, counts: list[int],
+                      is_window_end: bool) -> None:
         notify = self.release_per_step or is_window_end
-        with_logprobs = bool(sampled) and isinstance(sampled[0], list)
+        with_logprobs = sampled.has_logprobs
+        token_ids = sampled.token_ids
         max_model_len = self.max_model_len
         held = self._held_sinks
         wakes = WakeBatch()
@@ -77,11 +82,7 @@ class OutputProcessor:
                 continue  # stopped earlier in this window: its extra tokens drop
             n = counts[i]
             try:
-                if with_logprobs:
-                    packed = sampled[i]
-                    token = int(packed[0])
-                else:
-                    token = sampled[i]
+                token = token_ids[i]
                 reason = None
                 if token in req.stop_token_ids and n > req.params.min_tokens:
                     reason, stop_reason = FinishReason.STOP, token
@@ -90,7 +91,7 @@ class OutputProcessor:
                 delta = TokenDelta(req.request_id, [token], num_prompt_tokens=req.num_prompt_tokens,
                                    num_output_tokens=n)
                 if with_logprobs and req.params.logprobs is not None:
-                    self._attach_logprobs(delta, packed, req.params.logprobs)
+                    self._attach_logprobs(delta, sampled, i, req.params.logprobs)
                 if reason is not None:
                     delta.finish_reason, delta.stop_reason = reason, stop_reason
                     req.finish_reason, req.num_final_output_tokens = reason, n
@@ -124,9 +125,8 @@ class OutputProcessor:
             logger.exception("could not end request %s", req.request_id)
 
     @staticmethod
-    def _attach_logprobs(delta: TokenDelta, packed: list, k: int) -> None:
-        delta.logprobs = [packed[1]]
+    def _attach_logprobs(delta: TokenDelta, sampled: StepOutput, row: int, k: int) -> None:
+        delta.logprobs = [sampled.logprobs[row]]
         if k > 0:
-            width = (len(packed) - 2) // 2
-            ids, lps = packed[2:2 + k], packed[2 + width:2 + width + k]
-            delta.top_logprobs = [[(int(t), lp) for t, lp in zip(ids, lps)]]
+            ids, lps = sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]
+            delta.top_logprobs = [list(zip(ids, lps))]
