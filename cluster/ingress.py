@@ -11,6 +11,7 @@ All checks happen BEFORE the replica is called; errors are OpenAI-shaped 4xx
 # NOTE: no `from __future__ import annotations` here: FastAPI must see `Request`
 # as a class, not a string, through Serve's class-based views.
 import asyncio
+import contextvars
 import hashlib
 import hmac
 import logging
@@ -207,8 +208,12 @@ class _HealthCache:
     async def error(self, engine) -> str | None:
         if time.monotonic() - self._checked_at < self._ttl_s:
             return self._error
-        if self._check_task is None:
-            self._check_task = asyncio.ensure_future(self._check(engine))
+        if self._check_task is None or self._check_task.done():
+            # NOTE: a fresh context: a task started inside a request's context is
+            # cancelled with that request (a client hanging up), and would then fail
+            # every later hit.
+            self._check_task = asyncio.get_running_loop().create_task(
+                self._check(engine), context=contextvars.Context())
         # NOTE: shielded: a client hanging up must not cancel the check others wait on.
         await asyncio.shield(self._check_task)
         return self._error

@@ -149,6 +149,16 @@ def test_health_is_cached_and_shared_by_concurrent_hits():
         await asyncio.sleep(0)
         hung_up.cancel()
         assert await waiting is None and engine.calls == 2
+        # a check cancelled from outside (Serve cancels what a cancelled request
+        # started) is not reused: the next hit starts a new one
+        await asyncio.sleep(0.35)
+        first_hit = asyncio.ensure_future(cache.error(engine))
+        await asyncio.sleep(0)
+        cache._check_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first_hit
+        calls = engine.calls
+        assert await cache.error(engine) is None and engine.calls == calls + 1
         dead, dead_cache = _Engine(fail=True), _HealthCache(ttl_s=10.0)
         answers = await asyncio.gather(*(dead_cache.error(dead) for _ in range(50)))
         assert answers == ["RuntimeError"] * 50 and dead.calls == 1
