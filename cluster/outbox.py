@@ -89,6 +89,10 @@ class StepOutbox:
 
     # -- event loop side ----------------------------------------------------------
     def add(self, request_id: str) -> asyncio.Future:
+        if self.detached_since is not None:
+            # NOTE: a new request gives its ingress a full window to (re)open the
+            # channel, however long the outbox sat idle before.
+            self.detached_since = time.monotonic()
         done = self.done[request_id] = self._loop.create_future()
         return done
 

@@ -234,3 +234,20 @@ def test_requests_of_a_dead_ingress_are_aborted_and_its_channel_ends():
         assert engine.aborted == ["a"] and replica.stats()["num_outboxes"] == 0
 
     asyncio.run(run())
+
+
+def test_a_request_admitted_to_a_long_idle_outbox_gets_a_full_window():
+    async def run():
+        replica, engine = _replica(ingress_detach_timeout_s=0.3, owner_check_interval_s=0.05)
+        outbox = replica._outboxes.get("ing-a")
+        outbox.detached_since -= 10.0  # idle and detached for long
+        call = await _admit(replica, "a")
+        await asyncio.sleep(0.15)  # within the window, counted from the admission
+        channel = replica.channel("ing-a")
+        await channel.__anext__()
+        await asyncio.sleep(0.5)
+        assert engine.aborted == [] and replica.stats()["num_requests_orphaned"] == 0
+        await channel.aclose()
+        await call.aclose()
+
+    asyncio.run(run())
