@@ -10,7 +10,8 @@ substitute only what they must, and nothing else:
   `configs/serve.yaml`, and as `make serve SERVE_FLAGS="--port P"`), and free
   ports for `ray start --head`'s GCS, dashboard, client server and agent, with
   `RAY_DASHBOARD_ADDRESS` pointing the `serve` CLI at that dashboard;
-- `make -o .venv/.installed serve`: never reinstall the venv from a test;
+- `make --old-file=<venv>/.installed serve VENV=<venv>`: never reinstall the venv
+  from a test (a `make -n` first proves only the launcher would run);
 - locust's `--run-time 2m` becomes 12 s, its `--csv` goes to a temp dir;
 - a Ray temp dir per shell, and, where Linux allows, a private PID namespace, so
   `ray stop` stops only what the test started.
@@ -25,6 +26,7 @@ import contextlib
 import csv
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -353,10 +355,14 @@ def test_make_serve_prints_url_and_a_curl_line_that_streams(sandbox):
     snip = _one("make-serve")
     port = free_port()
     venv = venv_dir()
-    make = f"make -o {venv}/.installed serve SERVE_FLAGS=\"--port {port}\""
-    if venv.resolve() != (REPO / ".venv").resolve():
-        make += f" VENV={venv}"
-    text = _sub(snip, snip.text, r"^make serve\b", make)
+    # NOTE: -o names the stamp exactly as the Makefile does ($(VENV)/.installed): make
+    # matches target names as text. The dry run first proves nothing but the launcher
+    # runs (never an install into the venv from a test).
+    args = [f"--old-file={venv}/.installed", "serve", f"VENV={venv}", f"SERVE_FLAGS=--port {port}"]
+    dry = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert dry.stdout.splitlines() == [f"{venv}/bin/python -m cluster.serve_local --port {port}"], (
+        dry.stdout + dry.stderr)
+    text = _sub(snip, snip.text, r"^make serve\b", shlex.join(["make", *args]))
     fg = Foreground(sandbox, "make-serve", _preamble(), text)
     try:
         url = fg.wait_for(r"^Serving at (\S+)$", READY_TIMEOUT_S).group(1)
