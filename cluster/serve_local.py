@@ -162,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                                   int(num_engines * app_cfg.engine_num_cpus + 1))
     stop = threading.Event()
     _stop_on_signals(stop)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=ns.verbose)
+    # NOTE: address="local": always a Ray of its own, even when `ray start` left one
+    # running (connecting to it would refuse num_cpus).
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             log_to_driver=ns.verbose)
     # NOTE: again: ray.init installs its own SIGTERM handler (sys.exit(15)).
     _stop_on_signals(stop)
     try:

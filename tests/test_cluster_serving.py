@@ -327,6 +327,27 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client)
     assert out.usage.completion_tokens == 4
 
 
+def test_a_huge_prompt_is_refused_without_stalling_other_requests(server):
+    huge = "word " * 760_000  # 3.8 MB: far more than the context can hold
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60, headers=AUTH) as c:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            stream = asyncio.ensure_future(c.post(server + "/v1/completions", json=body))
+            huge_r = await c.post(server + "/v1/completions",
+                                  json={"model": MODEL, "prompt": huge, "max_tokens": 4})
+            models = await c.get(server + "/v1/models")
+            return huge_r, models, await stream
+
+    huge_r, models, stream = asyncio.run(run())
+    assert huge_r.status_code == 400, huge_r.text
+    error = huge_r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+    assert models.status_code == 200
+    assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
+
+
 def test_api_key_required_everywhere_but_health(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
