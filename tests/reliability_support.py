@@ -121,3 +121,23 @@ async def gather_bounded(coros, limit: int):
             return await coro
 
     return await asyncio.gather(*(one(c) for c in coros))
+
+
+def greedy_texts(model: str, engine_args: dict, prompts: list[str]):
+    """`texts(max_tokens)`: the offline engine's greedy texts of `prompts` (ignore_eos),
+    computed once per max_tokens: the reference every served stream must equal."""
+    from deltas.tokenizer import Tokenizer
+    from replicas import Engine, EngineConfig, SamplingParams
+    from replicas.presets import resolve_tokenizer_dir
+
+    tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(model))
+    cache: dict[int, list[str]] = {}
+
+    def texts(max_tokens: int) -> list[str]:
+        if max_tokens not in cache:
+            with Engine(EngineConfig(model=model, **engine_args)) as engine:
+                outs = engine.generate([tokenizer.encode(p) for p in prompts], SamplingParams(
+                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            cache[max_tokens] = [tokenizer.decode(o.token_ids) for o in outs]
+        return cache[max_tokens]
+    return texts

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 
 from cluster_support import engine_handle, serve_app, wait_until
 from fuzz_bodies import MAX_MODEL_LEN, hostile_bodies
-from reliability_support import (engine_stats, gather_bounded, is_idle, is_openai_error,
-                                 stream_request)
+from reliability_support import (engine_stats, gather_bounded, greedy_texts, is_idle,
+                                 is_openai_error, stream_request)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -43,21 +43,7 @@ def server():
 @pytest.fixture(scope="module")
 def reference():
     """Greedy texts of PROMPTS from the offline engine, per max_tokens."""
-    from deltas.tokenizer import Tokenizer
-    from replicas import Engine, EngineConfig, SamplingParams
-    from replicas.presets import resolve_tokenizer_dir
-
-    tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(MODEL))
-    cache: dict[int, list[str]] = {}
-
-    def texts(max_tokens: int) -> list[str]:
-        if max_tokens not in cache:
-            with Engine(EngineConfig(model=MODEL, **ENGINE_ARGS)) as engine:
-                outs = engine.generate([tokenizer.encode(p) for p in PROMPTS], SamplingParams(
-                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-            cache[max_tokens] = [tokenizer.decode(o.token_ids) for o in outs]
-        return cache[max_tokens]
-    return texts
+    return greedy_texts(MODEL, ENGINE_ARGS, PROMPTS)
 
 
 def _body(i: int, max_tokens: int, stream: bool) -> dict:
