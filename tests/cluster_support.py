@@ -28,7 +28,6 @@ def serve_app(app_args: dict, engine_factory=None, num_cpus: int = 4):
     from cluster.app import AppArgs, make_app
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    port = free_port()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
@@ -37,7 +36,8 @@ def serve_app(app_args: dict, engine_factory=None, num_cpus: int = 4):
             import sys
 
             ray.cloudpickle.register_pickle_by_value(sys.modules[engine_factory.__module__])
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # NOTE: the port is picked after Ray started, whose processes take ports too.
+        port = _start_serve_on_a_free_port(free_port())
         serve.run(make_app(AppArgs.model_validate(app_args), engine_factory=engine_factory),
                   name="stepstream", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
@@ -47,6 +47,24 @@ def serve_app(app_args: dict, engine_factory=None, num_cpus: int = 4):
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+
+
+def _start_serve_on_a_free_port(port: int, num_tries: int = 3) -> int:
+    """serve.start on `port`; if another process took the port since it was picked
+    (a free port is only free when asked), again on a new one."""
+    from ray import serve
+
+    for attempt in range(num_tries):
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception as e:  # noqa: BLE001 - Ray wraps the proxy's bind error
+            if "Failed to bind" not in str(e) or attempt == num_tries - 1:
+                raise
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            port = free_port()
+    return port
 
 
 def wait_healthy(base: str, timeout_s: float = 60.0) -> None:

@@ -44,6 +44,11 @@ class Snippet:
         return f"{self.doc}:{self.line}"
 
 
+
+# Set by a `make` this test run is under (`make test`): a fresh shell has none, and
+# with them a nested make prints "Entering directory" lines.
+MAKE_VARS = ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKE_TERMOUT", "MAKE_TERMERR")
+
 def read_snippets(doc: str) -> list[Snippet]:
     """Every tagged fenced block of one doc, in order; a tag not followed by a
     fenced block is an error (the block would silently go untested)."""
@@ -155,7 +160,8 @@ class Sandbox:
         machine), a Ray temp dir of the session's own (one session never finds
         another's Ray)."""
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith("RAY_") and k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+               if not k.startswith("RAY_") and k not in ("VIRTUAL_ENV", "PYTHONHOME")
+               and k not in MAKE_VARS}
         real_home = os.environ.get("HOME", str(Path.home()))
         ray_tmp = self.ray_tmp / session
         ray_tmp.mkdir(exist_ok=True)

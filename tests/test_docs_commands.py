@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import os
 import re
 import shlex
 import shutil
@@ -38,7 +39,7 @@ import yaml
 
 from cluster_support import free_port
 from docs_support import (
-    REPO, Foreground, Shell, Snippet, all_snippets, distinct, leftovers, read_snippets,
+    MAKE_VARS, REPO, Foreground, Shell, Snippet, all_snippets, distinct, leftovers, read_snippets,
     shell_commands, venv_dir, with_venv,
 )
 
@@ -359,7 +360,9 @@ def test_make_serve_prints_url_and_a_curl_line_that_streams(sandbox):
     # matches target names as text. The dry run first proves nothing but the launcher
     # runs (never an install into the venv from a test).
     args = [f"--old-file={venv}/.installed", "serve", f"VENV={venv}", f"SERVE_FLAGS=--port {port}"]
-    dry = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    fresh_env = {k: v for k, v in os.environ.items() if k not in MAKE_VARS}
+    dry = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=30, env=fresh_env)
     assert dry.stdout.splitlines() == [f"{venv}/bin/python -m cluster.serve_local --port {port}"], (
         dry.stdout + dry.stderr)
     text = _sub(snip, snip.text, r"^make serve\b", shlex.join(["make", *args]))
