@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from deltas.types import OutputKind
 
 _DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
@@ -160,7 +161,7 @@ class EngineConfig:
     # True: each decode step's tokens reach consumers as soon as the step is done;
     # False: only at the end of a multi-step window (the comparison baseline).
     release_per_step: bool = True
-    attention_backend: str = "auto"  # auto | torch | triton | flash-attn
+    attention_backend: str = "auto"  # auto | torch | cpu | triton | flash-attn
     enforce_eager: bool = False  # True: no CUDA graphs for decode
     seed: int = 0
     # Waiting-queue bounds; past them add_request raises EngineOverloaded.
@@ -196,8 +197,8 @@ class EngineConfig:
         _check(isinstance(self.enforce_eager, bool), "enforce_eager", "a boolean", self.enforce_eager)
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a boolean",
                self.enable_prefix_caching)
-        _check(self.attention_backend in ("auto", "torch", "triton", "flash-attn"),
-               "attention_backend", "one of auto, torch, triton, flash-attn",
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               "attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}",
                self.attention_backend)
         for name in ("max_waiting_requests", "max_waiting_prompt_tokens", "num_threads"):
             v = getattr(self, name)

@@ -16,15 +16,33 @@ def no_triton_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-@pytest.mark.parametrize("dtype,block_size", [(torch.float32, 16), (torch.bfloat16, 256)])
-def test_auto_picks_torch_on_cpu_and_logs_why(dtype, block_size, caplog):
+def test_auto_picks_the_cpu_kernel_for_float32_on_cpu_and_logs_why(caplog):
     with caplog.at_level(logging.INFO, logger="stepstream"):
-        backend = select_attention_backend("auto", CPU, dtype, block_size)
+        backend = select_attention_backend("auto", CPU, torch.float32, 16)
+    assert backend.name == "cpu"
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "stepstream")
+    assert "attention backend: cpu" in logged
+    assert "not flash-attn" in logged and "not triton" in logged
+
+
+def test_auto_picks_torch_on_cpu_for_bfloat16_and_logs_why(caplog):
+    with caplog.at_level(logging.INFO, logger="stepstream"):
+        backend = select_attention_backend("auto", CPU, torch.bfloat16, 256)
     assert backend.name == "torch"
     assert type(backend).__name__ == "TorchAttentionBackend"
     logged = " ".join(r.getMessage() for r in caplog.records if r.name == "stepstream")
-    assert "attention backend: torch" in logged
-    assert "not flash-attn" in logged and "not triton" in logged
+    assert "not cpu: it runs float32 only" in logged
+
+
+def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch, caplog):
+    from replicas.attention import native_kernels
+    monkeypatch.setattr(native_kernels, "load_paged_decode_attention",
+                        lambda: (None, "no C compiler found"))
+    with caplog.at_level(logging.INFO, logger="stepstream"):
+        assert select_attention_backend("auto", CPU, torch.float32, 16).name == "torch"
+    assert "no C compiler found" in " ".join(r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="no C compiler found"):
+        select_attention_backend("cpu", CPU, torch.float32, 16)
 
 
 def test_torch_can_be_forced():
@@ -73,7 +91,7 @@ def test_triton_on_cpu_only_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert selector.why_backend_cannot_run("triton", CPU, torch.float32, 16) is None
     # auto never picks the interpreter: it is for tests only.
-    assert select_attention_backend("auto", CPU, torch.float32, 16).name == "torch"
+    assert select_attention_backend("auto", CPU, torch.float32, 16).name == "cpu"
 
 
 def test_triton_needs_a_power_of_two_block_size(monkeypatch):

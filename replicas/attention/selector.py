@@ -1,7 +1,8 @@
 """Picks the attention backend at start-up and logs which one and why.
 
 `auto`: flash-attn when it imports, on CUDA, fp16/bf16 and a block size that is a
-multiple of 256; else Triton when it imports and the device is CUDA; else torch.
+multiple of 256; else Triton when it imports and the device is CUDA; on CPU with
+float32, the cpu backend when its C kernel builds; else torch.
 An explicit name forces that backend or raises ValueError saying why it cannot run.
 Backends import lazily, so this module loads on machines with neither flash-attn
 nor triton.
@@ -15,10 +16,11 @@ import os
 import torch
 
 from replicas.attention.base import AttentionBackend
+from replicas.config import ATTENTION_BACKENDS
 
 logger = logging.getLogger("stepstream")
 
-BACKEND_NAMES = ("auto", "torch", "triton", "flash-attn")
+BACKEND_NAMES = ATTENTION_BACKENDS
 _ALIASES = {"flash_attn": "flash-attn", "flashattn": "flash-attn", "flash-attention": "flash-attn"}
 
 
@@ -46,6 +48,13 @@ def why_backend_cannot_run(name: str, device: torch.device, dtype: torch.dtype,
     """None when backend `name` can run with these settings, else the reason it cannot."""
     if name == "torch":
         return None
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"it runs on CPU only, got {device.type!r}"
+        if dtype != torch.float32:
+            return f"it runs float32 only, got {dtype}"
+        from replicas.attention.native_kernels import load_paged_decode_attention
+        return load_paged_decode_attention()[1]
     if name == "triton":
         problem = _import_problem("triton")
         if problem is None and device.type != "cuda" and not _triton_interpreter_on():
@@ -78,6 +87,11 @@ def _auto_choice(device: torch.device, dtype: torch.dtype, block_size: int) -> t
         if problem is None:
             return name, "auto: " + "; ".join(skipped + [f"{name} fits"])
         skipped.append(f"not {name}: {problem}")
+    if device.type == "cpu":
+        problem = why_backend_cannot_run("cpu", device, dtype, block_size)
+        if problem is None:
+            return "cpu", "auto: " + "; ".join(skipped + ["cpu fits (float32, its kernel builds)"])
+        skipped.append(f"not cpu: {problem}")
     return "torch", "auto: " + "; ".join(skipped)
 
 
@@ -88,6 +102,9 @@ def _build(name: str) -> AttentionBackend:
     if name == "triton":
         from replicas.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
+    if name == "cpu":
+        from replicas.attention.cpu_backend import CpuAttentionBackend
+        return CpuAttentionBackend()
     from replicas.attention.torch_backend import TorchAttentionBackend
     return TorchAttentionBackend()
 

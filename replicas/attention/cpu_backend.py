@@ -1,0 +1,63 @@
+"""Attention for CPUs: decode reads the paged cache in place through a C kernel
+(csrc/paged_decode_attention.c); prefill and cache writes are the torch backend's.
+
+Decode dominates a CPU engine's attention time, and there torch has to copy each
+sequence's scattered blocks into a dense padded tensor first. The kernel takes the
+block tables instead. float32 only; `selector.py` picks this backend on CPUs where
+the kernel builds, and plain torch otherwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from replicas.attention.base import AttentionMetadata
+from replicas.attention.native_kernels import load_paged_decode_attention
+from replicas.attention.torch_backend import TorchAttentionBackend
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self):
+        kernel, problem = load_paged_decode_attention()
+        if kernel is None:
+            raise RuntimeError(problem)
+        self._kernel = kernel
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        n = meta.num_prefill_tokens
+        for i in range(meta.num_prefills):
+            start, end = meta.prefill_query_start_loc[i], meta.prefill_query_start_loc[i + 1]
+            out[start:end] = self._prefill_one(q[start:end], k_cache, v_cache,
+                                               meta.prefill_block_tables[i], meta.prefill_seq_lens[i], scale)
+        if meta.num_decodes:
+            self.decode_into(out[n:], q[n:], k_cache, v_cache, meta.decode_block_tables,
+                             meta.decode_seq_lens, scale)
+        return out
+
+    def decode_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float) -> None:
+        """out[b] = attention of q[b] (heads, head_dim) over its first seq_lens[b] tokens."""
+        B, h, d = q.shape
+        num_blocks, bs, kvh, dk = k_cache.shape
+        # NOTE: the kernel trusts its inputs; these checks keep a bad call from
+        # reading outside the cache.
+        if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
+            raise TypeError("the cpu attention backend runs float32 only")
+        if dk != d or h % kvh or block_tables.shape[0] != B or seq_lens.shape[0] != B:
+            raise ValueError("decode attention got inconsistent shapes")
+        if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("decode attention needs contiguous output and caches")
+        q = q.contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        width = tables.shape[1]
+        if B and (int(lens.min()) < 1 or int(lens.max()) > width * bs):
+            raise ValueError("a decode sequence length is outside its block table")
+        rc = self._kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                          lens.data_ptr(), out.data_ptr(), B, h, kvh, d, bs, width, scale,
+                          torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("decode attention could not allocate its scratch memory")

@@ -1,0 +1,104 @@
+/* Decode attention straight over the paged KV cache, for the CPU backend.
+ *
+ * One query token per sequence attends to its first seq_lens[b] cached tokens.
+ * Layout as in replicas/attention/base.py: caches are (num_blocks, block_size,
+ * num_kv_heads, head_dim) float32; q and out are (B, num_heads, head_dim).
+ *
+ * Why a kernel: torch needs the scattered blocks gathered into a dense padded copy
+ * before SDPA can run, and that copy costs more memory traffic than the attention
+ * itself. Here each sequence's blocks are read in place, once for K and once for
+ * V, each whole block (all KV heads) at a time, with the next block prefetched,
+ * since blocks sit at random places and the hardware prefetcher cannot guess them.
+ *
+ * One parallel task per sequence; the softmax is exact (max-subtracted, float32
+ * accumulation), as SDPA computes it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline void prefetch(const float *p, int64_t num_floats) {
+    for (int64_t i = 0; i < num_floats; i += 16)  /* 16 floats: one 64-byte line */
+        __builtin_prefetch(p + i, 0, 3);
+}
+
+static void attend_one(const float *q, const float *k_cache, const float *v_cache,
+                       const int32_t *table, int64_t L, float *out, float *scores,
+                       int64_t h, int64_t kvh, int64_t d, int64_t bs, float scale) {
+    const int64_t group = h / kvh;
+    const int64_t tok_stride = kvh * d;
+    const int64_t block_stride = bs * tok_stride;
+    const int64_t num_blocks = (L + bs - 1) / bs;
+
+    prefetch(k_cache + (int64_t)table[0] * block_stride, block_stride);
+    for (int64_t blk = 0; blk < num_blocks; blk++) {
+        const float *kb = k_cache + (int64_t)table[blk] * block_stride;
+        if (blk + 1 < num_blocks)
+            prefetch(k_cache + (int64_t)table[blk + 1] * block_stride, block_stride);
+        else
+            prefetch(v_cache + (int64_t)table[0] * block_stride, block_stride);
+        const int64_t n = (blk + 1) * bs <= L ? bs : L - blk * bs;
+        for (int64_t u = 0; u < n; u++) {
+            const float *kt = kb + u * tok_stride;
+            for (int64_t hh = 0; hh < h; hh++) {
+                const float *qh = q + hh * d, *kh = kt + (hh / group) * d;
+                float acc = 0.f;
+                for (int64_t i = 0; i < d; i++) acc += qh[i] * kh[i];
+                scores[hh * L + blk * bs + u] = acc * scale;
+            }
+        }
+    }
+    for (int64_t hh = 0; hh < h; hh++) {
+        float *s = scores + hh * L;
+        float m = s[0];
+        for (int64_t t = 1; t < L; t++) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; t++) s[t] *= inv;
+    }
+    memset(out, 0, sizeof(float) * h * d);
+    for (int64_t blk = 0; blk < num_blocks; blk++) {
+        const float *vb = v_cache + (int64_t)table[blk] * block_stride;
+        if (blk + 1 < num_blocks)
+            prefetch(v_cache + (int64_t)table[blk + 1] * block_stride, block_stride);
+        const int64_t n = (blk + 1) * bs <= L ? bs : L - blk * bs;
+        for (int64_t u = 0; u < n; u++) {
+            const float *vt = vb + u * tok_stride;
+            for (int64_t hh = 0; hh < h; hh++) {
+                const float p = scores[hh * L + blk * bs + u];
+                float *oh = out + hh * d;
+                const float *vh = vt + (hh / group) * d;
+                for (int64_t i = 0; i < d; i++) oh[i] += p * vh[i];
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
+int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                           const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                           int64_t B, int64_t h, int64_t kvh, int64_t d, int64_t bs,
+                           int64_t table_width, float scale, int num_threads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        float *scores = NULL;
+        int64_t capacity = 0;
+        #pragma omp for schedule(dynamic, 4)
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t L = seq_lens[b];
+            if (h * L > capacity) {
+                free(scores);
+                capacity = 2 * h * L;
+                scores = malloc(sizeof(float) * capacity);
+                if (scores == NULL) { capacity = 0; failed = 1; continue; }
+            }
+            attend_one(q + b * h * d, k_cache, v_cache, block_tables + b * table_width, L,
+                       out + b * h * d, scores, h, kvh, d, bs, scale);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,121 @@
+"""Builds and loads the C kernels in `csrc/` for the CPU attention backend.
+
+Compiled on first use with the machine's C compiler (`$CC`, else `cc`) for this
+CPU (`-march=native`), cached under `$STEPSTREAM_CACHE/kernels/` by a key of the
+source, flags, compiler and CPU, and loaded with ctypes (which releases the GIL
+during each call, so the output thread runs meanwhile). Without a working
+compiler `load_paged_decode_attention()` returns None with the reason, and the
+backend selector stays on plain torch.
+
+NOTE: `-ffast-math` is a compile flag only. Linking a shared library with it
+(gcc < 13) adds crtfastmath, which flushes denormals to zero for the whole
+process on load and would change torch's numerics. It is needed at compile time
+so that glibc declares its vectorised `expf`.
+NOTE: OpenMP comes from the `libgomp.so.1` torch already loaded (same soname), so
+the kernel shares torch's thread pool instead of starting a second one.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger("stepstream")
+
+CSRC_DIR = Path(__file__).resolve().with_name("csrc")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+LINK_FLAGS = ("-shared", "-fopenmp")
+LINK_LIBS = ("-lm",)
+COMPILE_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_loaded: dict[str, tuple[object | None, str | None]] = {}
+
+
+def kernel_cache_dir() -> Path:
+    from replicas.presets import default_cache_dir
+    return default_cache_dir() / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def build(name: str) -> Path:
+    """Compile `csrc/<name>.c` (cached) and return the shared library's path.
+
+    Raises RuntimeError with the compiler's message when it cannot be built.
+    """
+    source = CSRC_DIR / f"{name}.c"
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    key = hashlib.sha256("\0".join([
+        source.read_text(), " ".join(COMPILE_FLAGS + LINK_FLAGS + LINK_LIBS),
+        _compiler_version(cc), _cpu_signature(), platform.machine(),
+    ]).encode()).hexdigest()[:16]
+    out = kernel_cache_dir() / f"{name}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
+        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                    [cc, *LINK_FLAGS, str(obj), "-o", str(lib), *LINK_LIBS]):
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            except (OSError, subprocess.SubprocessError) as error:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {error}") from error
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()[-2000:]}")
+        # NOTE: atomic, so replicas building at once never load a half-written file
+        os.replace(lib, out)
+    logger.info("built native kernel %s", out)
+    return out
+
+
+def load_paged_decode_attention():
+    """(ctypes function, None), or (None, why it is unavailable). Cached per process."""
+    name = "paged_decode_attention"
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _load(name)
+        return _loaded[name]
+
+
+def _load(name: str):
+    import torch  # noqa: F401 - loads torch's libgomp first, so the kernel shares it
+    try:
+        lib = ctypes.CDLL(str(build(name)))
+    except (RuntimeError, OSError) as error:
+        return None, f"the {name} kernel could not be built or loaded: {error}"
+    fn = getattr(lib, name)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    return fn, None

@@ -1,0 +1,79 @@
+"""The CPU backend's paged decode kernel against the torch backend (the reference),
+and a whole engine run with it against one on plain torch."""
+import pytest
+import torch
+
+from replicas.attention.base import AttentionMetadata
+from replicas.attention.cpu_backend import CpuAttentionBackend
+from replicas.attention.native_kernels import build, kernel_cache_dir
+from replicas.attention.torch_backend import TorchAttentionBackend
+
+
+def _decode_case(B, h, kvh, d, bs, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // bs) for n in lens) + 1  # one spare column, as windows have
+    num_blocks = B * width + 3
+    k_cache = torch.randn(num_blocks, bs, kvh, d, generator=g)
+    v_cache = torch.randn(num_blocks, bs, kvh, d, generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[:B * width].view(B, width).to(torch.int32)
+    q = torch.randn(B, h, d, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64), num_prefills=0, num_prefill_tokens=0,
+        prefill_query_start_loc=[0], prefill_seq_lens=[], prefill_block_tables=None,
+        num_decodes=B, decode_seq_lens=seq_lens, decode_block_tables=tables,
+        max_decode_seq_len=max(lens))
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("h,kvh,d,bs", [(4, 2, 64, 16), (4, 4, 32, 16), (8, 1, 64, 8), (6, 3, 16, 32)])
+def test_decode_matches_the_torch_backend(h, kvh, d, bs):
+    # lengths at, below and above block edges, and a single token
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs, 5 * bs + 7, 2, 4 * bs - 1]
+    q, k_cache, v_cache, meta = _decode_case(len(lens), h, kvh, d, bs, lens)
+    scale = d ** -0.5
+    ref = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, scale)
+    got = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_prefill_and_decode_matches_the_torch_backend():
+    from replicas.attention.base import AttentionMetadata
+    bs, h, kvh, d = 16, 4, 2, 32
+    q_dec, k_cache, v_cache, dec = _decode_case(3, h, kvh, d, bs, [5, 17, 40], seed=1)
+    n_pre = 7
+    q = torch.cat([torch.randn(n_pre, h, d), q_dec])
+    prefill_table = dec.decode_block_tables[:1].clone()
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64), num_prefills=1, num_prefill_tokens=n_pre,
+        prefill_query_start_loc=[0, n_pre], prefill_seq_lens=[12], prefill_block_tables=prefill_table,
+        num_decodes=3, decode_seq_lens=dec.decode_seq_lens, decode_block_tables=dec.decode_block_tables,
+        max_decode_seq_len=40)
+    ref = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
+    got = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_length_outside_the_block_table_is_refused():
+    q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 16, 16, [3, 20])
+    meta.decode_seq_lens[1] = 16 * meta.decode_block_tables.shape[1] + 1
+    with pytest.raises(ValueError, match="outside its block table"):
+        CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+
+
+def test_the_build_is_cached_by_key():
+    first = build("paged_decode_attention")
+    assert first.parent == kernel_cache_dir() and first.exists()
+    assert build("paged_decode_attention") == first
+
+
+def test_engine_outputs_equal_with_the_cpu_kernel_and_plain_torch():
+    from replicas import Engine, EngineConfig, SamplingParams
+    prompts = [[(7 * i + j) % 8000 + 5 for j in range(10 + 13 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "cpu"):
+        with Engine(EngineConfig(model="tiny", attention_backend=backend, num_scheduler_steps=8,
+                                 block_size=8)) as engine:
+            outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outs["cpu"] == outs["torch"]
