@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from deltas.types import OutputKind
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
 
 
@@ -147,7 +147,9 @@ class SamplingParams:
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     model: str = "tiny"  # a preset name ("tiny", "small") or a local HF directory
-    dtype: str = "float32"
+    # auto: the checkpoint's dtype, as float32 on CPUs without native half-precision
+    # instructions (replicas/dtype_choice.py); resolved and logged at start-up.
+    dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length
     block_size: int = 16

@@ -6,6 +6,7 @@ and a bad request never reaches the scheduler.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -15,6 +16,7 @@ import torch
 from deltas.types import FinishReason
 from replicas.block_manager import BlockManager
 from replicas.config import EngineConfig, SamplingParams
+from replicas.dtype_choice import resolve_dtype
 from replicas.model_runner import ModelRunner
 from replicas.output_processor import OutputProcessor
 from replicas.presets import ensure_model_dir
@@ -34,6 +36,8 @@ class EngineCore:
         self.bind_thread()
         torch.manual_seed(config.seed)
         self.model_dir = ensure_model_dir(config.model)
+        dtype, _ = resolve_dtype(config.dtype, config.device, self.model_dir)
+        self.config = config = dataclasses.replace(config, dtype=dtype)
         from replicas.models.model_config import ModelConfig
         mc = ModelConfig.from_dir(self.model_dir)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings

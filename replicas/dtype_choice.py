@@ -1,0 +1,73 @@
+"""Resolves `dtype: auto` at start-up to what this device runs natively.
+
+`auto` takes the checkpoint's own dtype (`torch_dtype`, or `dtype` as transformers
+5 writes it), except that a bfloat16 or float16 checkpoint on a CPU without
+native instructions for it runs in float32: emulated half precision is several
+times slower than float32 on such CPUs. An explicit half-precision dtype on such
+a CPU is honoured, with a warning. The choice and its reason are logged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+logger = logging.getLogger("stepstream")
+
+HALF_DTYPES = ("bfloat16", "float16")
+# /proc/cpuinfo flags that mean native arithmetic in that dtype
+_NATIVE_CPU_FLAGS = {
+    "bfloat16": ("avx512_bf16", "amx_bf16", "bf16"),  # x86, and aarch64's "bf16"
+    "float16": ("avx512_fp16", "amx_fp16", "fphp"),
+}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_runs_natively(dtype: str, flags: set[str] | None = None) -> bool:
+    if dtype not in HALF_DTYPES:
+        return True
+    flags = cpu_flags() if flags is None else flags
+    return any(flag in flags for flag in _NATIVE_CPU_FLAGS[dtype])
+
+
+def checkpoint_dtype(model_dir: str) -> str | None:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    value = cfg.get("torch_dtype") or cfg.get("dtype")
+    return value if value in ("float32",) + HALF_DTYPES else None
+
+
+def resolve_dtype(requested: str, device: str, model_dir: str,
+                  flags: set[str] | None = None) -> tuple[str, str]:
+    """(the dtype to run, why); logs both."""
+    on_cpu = device.split(":")[0] == "cpu"
+    if requested != "auto":
+        dtype, why = requested, "requested explicitly"
+        if on_cpu and not cpu_runs_natively(dtype, flags):
+            logger.warning("dtype %s on a CPU without native %s instructions is emulated and "
+                           "several times slower than float32; dtype auto would pick float32",
+                           dtype, dtype)
+            why += " (emulated on this CPU)"
+    else:
+        ckpt = checkpoint_dtype(model_dir)
+        if ckpt is None:
+            dtype, why = "float32", "auto: the checkpoint names no dtype"
+        elif on_cpu and not cpu_runs_natively(ckpt, flags):
+            dtype, why = "float32", f"auto: the checkpoint is {ckpt}, which this CPU has no native instructions for"
+        else:
+            dtype, why = ckpt, f"auto: the checkpoint's dtype{' runs natively on this CPU' if on_cpu else ''}"
+    logger.info("dtype: %s (%s; device=%s)", dtype, why, device)
+    return dtype, why
