@@ -1,4 +1,5 @@
-"""Per-request mailboxes between the engine thread and a consumer.
+"""Per-request mailboxes between the engine thread and a consumer: the asyncio
+implementation of `deltas.sink.DeltaSink`.
 
 The engine (producer) puts one TokenDelta per step; a consumer takes everything
 pending at once. While the consumer is behind, deltas MERGE (never dropped, never
@@ -11,17 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Protocol
 
 from deltas.types import FinishReason, TokenDelta
-
-
-class DeltaSink(Protocol):
-    """What the engine writes to: an asyncio DeltaCollector or an offline ListSink."""
-
-    def put(self, delta: TokenDelta, notify: bool = True, wakes: "WakeBatch | None" = None) -> None: ...
-    def notify(self) -> None: ...
-    def put_error(self, message: str) -> None: ...
 
 
 def _wake(waiter: asyncio.Future) -> None:
@@ -155,27 +147,3 @@ class DeltaCollector:
         else:
             self._loop.call_soon_threadsafe(_wake, waiter)
 
-
-class ListSink:
-    """The offline engine's sink: no event loop, everything merged into one delta."""
-
-    __slots__ = ("request_id", "delta")
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.delta = TokenDelta(request_id, [])
-
-    @property
-    def finished(self) -> bool:
-        return self.delta.finish_reason is not None
-
-    def put(self, delta: TokenDelta, notify: bool = True, wakes: WakeBatch | None = None) -> None:
-        if not self.finished:
-            self.delta.merge(delta)
-
-    def notify(self) -> None:
-        pass
-
-    def put_error(self, message: str) -> None:
-        self.put(TokenDelta(self.request_id, [], finish_reason=FinishReason.ERROR, error=message,
-                            num_output_tokens=self.delta.num_output_tokens))

@@ -15,7 +15,8 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from deltas.collector import DeltaCollector, DeltaSink
+from deltas.collector import DeltaCollector
+from deltas.sink import DeltaSink
 from deltas.types import FinishReason, OutputKind, TokenDelta
 from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_core import EngineCore

@@ -20,7 +20,8 @@ from replicas.dtype_choice import resolve_dtype
 from replicas.model_runner import ModelRunner
 from replicas.output_processor import OutputProcessor
 from replicas.presets import ensure_model_dir
-from replicas.request import DeltaSink, Request, RequestStatus
+from deltas.sink import DeltaSink
+from replicas.request import Request, RequestStatus
 from replicas.sampler import probe_rows
 from replicas.scheduler import Scheduler, SchedulerOutput
 from replicas.step_output import StepOutput

@@ -23,9 +23,9 @@ class RequestOutput:
 
 
 class CollectingSink:
-    """Offline sink: merges every delta into one (TokenDelta.merge, the same rule
-    as the streaming collectors) and mirrors it onto a RequestOutput. `put` may
-    come from the output thread."""
+    """The offline DeltaSink (deltas/sink.py): merges every delta into one
+    (TokenDelta.merge, the same rule as the streaming collectors) and mirrors it
+    onto a RequestOutput. `put` may come from the output thread."""
 
     __slots__ = ("output", "_merged")
 
@@ -42,3 +42,7 @@ class CollectingSink:
 
     def notify(self) -> None:
         pass
+
+    def put_error(self, message: str) -> None:
+        self.put(TokenDelta(self.output.request_id, [], finish_reason=FinishReason.ERROR,
+                            error=message, num_output_tokens=self._merged.num_output_tokens))

@@ -13,9 +13,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from deltas.types import FinishReason, TokenDelta
+from deltas.sink import DeltaSink
+from deltas.types import FinishReason
 from replicas.config import SamplingParams
 
 
@@ -24,11 +25,6 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
-
-
-class DeltaSink(Protocol):
-    def put(self, delta: TokenDelta, notify: bool = True, wakes: Any = None) -> None: ...
-    def notify(self) -> None: ...
 
 
 @dataclass(slots=True, eq=False)

@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from deltas.collector import DeltaCollector, ListSink
+from deltas.collector import DeltaCollector
 from deltas.types import FinishReason, TokenDelta
+from tests.delta_sinks import ListSink
 
 
 def delta(ids: list[int], num_output_tokens: int, finish: FinishReason | None = None) -> TokenDelta:

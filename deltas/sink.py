@@ -1,0 +1,29 @@
+"""The one interface the engine writes a request's deltas to.
+
+Implemented by `deltas.collector.DeltaCollector` (an asyncio consumer in the same
+process), `cluster.outbox.OutboxSink` (a per-step channel to an ingress) and
+`replicas.outputs.CollectingSink` (the offline engine). The engine's output
+thread calls `put` once per step per request; `put_error` ends a stream when the
+engine breaks.
+
+NOTE: `put` takes ownership of the delta: a sink may merge later deltas into it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from deltas.types import TokenDelta
+
+if TYPE_CHECKING:
+    from deltas.collector import WakeBatch
+
+
+class DeltaSink(Protocol):
+    def put(self, delta: TokenDelta, notify: bool = True, wakes: WakeBatch | None = None) -> None:
+        """`notify=False`: hold the wake-up until `notify()` (the end of a release
+        window); `wakes`: defer it to the caller's per-step batch."""
+
+    def notify(self) -> None: ...
+
+    def put_error(self, message: str) -> None:
+        """End the stream with an error delta (after what is already pending)."""
