@@ -131,14 +131,17 @@ class AsyncEngine:
 
     def _check_overload(self, num_prompt_tokens: int) -> None:
         cfg = self.config
-        sched = self.core.scheduler
-        num_waiting = len(sched.waiting) + len(self._commands)
+        # NOTE: the engine thread's published snapshot, not its live queues (see
+        # replicas/engine_stats.py); queued adds are counted on top of it.
+        load = self.core.published_stats
+        num_waiting = load.num_waiting + len(self._commands)
         if cfg.max_waiting_requests is not None and num_waiting >= cfg.max_waiting_requests:
             raise EngineOverloaded(f"{num_waiting} requests are waiting (limit "
                                    f"{cfg.max_waiting_requests})", self._retry_after_s())
-        if (cfg.max_waiting_prompt_tokens is not None and sched.waiting
-                and sched.num_waiting_prompt_tokens + num_prompt_tokens > cfg.max_waiting_prompt_tokens):
-            raise EngineOverloaded(f"{sched.num_waiting_prompt_tokens} prompt tokens are waiting "
+        num_waiting_tokens = load.num_waiting_prompt_tokens
+        if (cfg.max_waiting_prompt_tokens is not None and load.num_waiting
+                and num_waiting_tokens + num_prompt_tokens > cfg.max_waiting_prompt_tokens):
+            raise EngineOverloaded(f"{num_waiting_tokens} prompt tokens are waiting "
                                    f"(limit {cfg.max_waiting_prompt_tokens})", self._retry_after_s())
 
     def _retry_after_s(self) -> float:
@@ -196,7 +199,8 @@ class AsyncEngine:
         """Raises EngineDeadError if the loop died, or stalled with work queued."""
         self._raise_if_dead()
         stalled_s = time.monotonic() - self._last_progress
-        if (self.core.has_work or self._commands) and stalled_s > self.stall_timeout_s:
+        has_work = self.core.published_stats.num_unfinished > 0
+        if (has_work or self._commands) and stalled_s > self.stall_timeout_s:
             raise EngineDeadError(f"the engine made no progress for {stalled_s:.0f} s with work queued")
 
     def fail_stalled(self) -> None:

@@ -1,27 +1,28 @@
 """The engine loop body: schedule -> run N steps -> hand each step to output
 processing. Driven by the offline `Engine` and the threaded `AsyncEngine`.
 
-Request validation lives here, so both front ends reject bad input the same way
-and a bad request never reaches the scheduler.
+Start-up facts come from elsewhere: the model from replicas/model_resolution.py,
+the block manager from replicas/kv_budget.py, request checks from
+replicas/request_validation.py. What other threads may read (stats, admission
+bounds) is published as one `EngineStats` snapshot (replicas/engine_stats.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections import deque
 
 import torch
 
+from deltas.sink import DeltaSink
 from deltas.types import FinishReason
-from replicas.block_manager import BlockManager
 from replicas.config import EngineConfig, SamplingParams
-from replicas.dtype_choice import resolve_dtype
+from replicas.engine_stats import EngineStats
+from replicas.kv_budget import make_block_manager
+from replicas.model_resolution import resolve_model
 from replicas.model_runner import ModelRunner
 from replicas.output_processor import OutputProcessor
-from replicas.presets import ensure_model_dir
-from deltas.sink import DeltaSink
 from replicas.request import Request, RequestStatus
+from replicas.request_validation import RequestLimits
 from replicas.sampler import probe_rows
 from replicas.scheduler import Scheduler, SchedulerOutput
 from replicas.step_output import StepOutput
@@ -36,31 +37,27 @@ class EngineCore:
         self.config = config
         self.bind_thread()
         torch.manual_seed(config.seed)
-        self.model_dir = ensure_model_dir(config.model)
-        dtype, _ = resolve_dtype(config.dtype, config.device, self.model_dir)
-        self.config = config = dataclasses.replace(config, dtype=dtype)
-        from replicas.models.model_config import ModelConfig
-        mc = ModelConfig.from_dir(self.model_dir)
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        model = resolve_model(config)
+        self.config = config = model.config
+        self.model_dir = model.model_dir
+        self.max_model_len = model.max_model_len
+        self.vocab_size = model.vocab_size
+        self.eos_token_ids = model.eos_token_ids
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, tuple(self.eos_token_ids))
         self.runner = ModelRunner(config, self.model_dir, self.max_model_len)
         self.model_config = self.runner.model_config
-        self.vocab_size = mc.vocab_size
-        self.eos_token_ids = list(mc.eos_token_ids)
-        num_blocks = self.runner.num_blocks
-        max_seq_blocks = -(-(self.max_model_len + config.num_scheduler_steps) // config.block_size)
-        if num_blocks < max_seq_blocks:
-            raise ValueError(f"KV budget of {num_blocks} blocks cannot hold one sequence of "
-                             f"max_model_len {self.max_model_len} (needs {max_seq_blocks}): "
-                             f"raise num_kv_blocks/kv_cache_gib or lower max_model_len")
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          num_watermark_blocks=min(num_blocks // 100, max_seq_blocks),
-                                          enable_caching=config.enable_prefix_caching)
+        self.block_manager = make_block_manager(self.runner.num_blocks, config, self.max_model_len)
         self.output = OutputProcessor(self.max_model_len, config.async_output, config.release_per_step)
         self.scheduler = Scheduler(config, self.block_manager, flush_outputs=self.output.wait)
         self.requests: dict[str, Request] = {}
         self._last_num_steps = 0
+        # The window being executed: its length, and how many of its steps' tokens
+        # were taken (a window that raised part-way still counts the earlier ones).
+        self._window_num_steps = 0
+        self._window_num_steps_taken = 0
         self.num_steps = 0  # model steps run, for stats and health
         self.last_step_time = time.monotonic()
+        self._publish_stats()
 
     def bind_thread(self) -> None:
         """Apply the torch thread count in the calling thread.
@@ -75,32 +72,12 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      sink: DeltaSink) -> Request:
         """Validate and build a request; raises ValueError naming what is wrong."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
-            raise ValueError("prompt must be a non-empty list of token ids")
-        V = self.vocab_size
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
-                raise ValueError(f"prompt token ids must be integers in [0, {V}), got {t!r}")
-        if any(t >= V for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {V})")
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; this model's context is {self.max_model_len} "
-                             f"tokens, so prompts may have at most {self.max_model_len - 1}")
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(self.eos_token_ids)
-        room = self.max_model_len - n
-        max_out = room if params.max_tokens is None else min(params.max_tokens, room)
-        return Request(request_id, list(prompt_token_ids), params, sink, frozenset(stop_ids), max_out)
+        return self.limits.make_request(request_id, prompt_token_ids, params, sink, self.requests)
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.scheduler.add_request(req)
+        self._publish_stats()
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
                       error: str | None = None) -> None:
@@ -110,6 +87,7 @@ class EngineCore:
         self.output.wait()  # flush: every output of the request is processed first
         self.output.finish_now(req, reason, error)
         self._free_finished()
+        self._publish_stats()
 
     def fail_all(self, error: str) -> None:
         """The engine broke: end every request with an error delta."""
@@ -120,6 +98,7 @@ class EngineCore:
         for request_id in list(self.requests):
             self.output.finish_now(self.requests[request_id], FinishReason.ERROR, error)
         self._free_finished()
+        self._publish_stats()
 
     # -- the loop body --------------------------------------------------------
     @property
@@ -138,8 +117,10 @@ class EngineCore:
             self._last_num_steps = 0
             self.output.wait()
             self._free_finished()
+            self._publish_stats()
             return False
         self._run(sched)
+        self._publish_stats()
         return True
 
     def _run(self, sched: SchedulerOutput) -> None:
@@ -149,31 +130,32 @@ class EngineCore:
             self._isolate_failure(sched, error)
 
     def _execute(self, sched: SchedulerOutput) -> None:
-        num_steps = sched.num_steps
-        output = self.output
-        done = [0]  # steps whose tokens were taken
-
-        def on_step(step: int, rows: list[Request], sampled: StepOutput) -> None:
-            counts = []
-            for req, token in zip(rows, sampled.token_ids):
-                req.output_token_ids.append(token)
-                counts.append(len(req.output_token_ids))
-            done[0] += 1
-            self.num_steps += 1
-            self.last_step_time = time.monotonic()
-            output.submit(rows, sampled, counts, step == num_steps - 1)
-
+        self._window_num_steps = sched.num_steps
+        self._window_num_steps_taken = 0
         try:
-            self.runner.execute(sched, on_step)
+            self.runner.execute(sched, self._on_step)
         finally:
             # NOTE: when a later step of a window raised, the earlier ones still count.
-            if done[0]:
+            num_taken = self._window_num_steps_taken
+            if num_taken:
                 for s in sched.prefill_seqs:
                     s.request.num_computed_tokens += s.num_new_tokens
                 for s in sched.decode_seqs:
-                    s.request.num_computed_tokens += done[0]
+                    s.request.num_computed_tokens += num_taken
         self.scheduler.cache_computed_blocks(sched)
-        self._last_num_steps = num_steps
+        self._last_num_steps = sched.num_steps
+
+    def _on_step(self, step: int, rows: list[Request], sampled: StepOutput) -> None:
+        """Take one step's sampled tokens, right after its host sync, and hand the
+        step to output processing (which may run on its own thread)."""
+        counts = []
+        for req, token in zip(rows, sampled.token_ids):
+            req.output_token_ids.append(token)
+            counts.append(len(req.output_token_ids))
+        self._window_num_steps_taken += 1
+        self.num_steps += 1
+        self.last_step_time = time.monotonic()
+        self.output.submit(rows, sampled, counts, step == self._window_num_steps - 1)
 
     def _isolate_failure(self, sched: SchedulerOutput, error: Exception) -> None:
         """A step raised: fail only the requests it is tied to (replicas/step_isolation.py)
@@ -219,22 +201,14 @@ class EngineCore:
         self.scheduler.remove_finished(done)
 
     # -- introspection --------------------------------------------------------
+    def _publish_stats(self) -> None:
+        """Engine thread only: swap in a fresh snapshot for readers on other threads."""
+        self.published_stats = EngineStats.from_engine(self.scheduler, self.block_manager,
+                                                       self.num_steps)
+
     def stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_waiting_prompt_tokens": self.scheduler.num_waiting_prompt_tokens,
-            "num_free_blocks": bm.num_free_blocks,
-            "num_total_blocks": bm.num_blocks,
-            "kv_cache_usage": bm.usage,
-            "num_steps": self.num_steps,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,
-            "num_prefix_cache_hit_tokens": self.scheduler.num_prefix_cache_hit_tokens,
-            "num_prefix_cache_query_tokens": self.scheduler.num_prefix_cache_query_tokens,
-            "num_cached_blocks": bm.num_cached_blocks,
-        }
+        """Safe from any thread: the last published snapshot, at most one step old."""
+        return self.published_stats.as_dict()
 
     def shutdown(self) -> None:
         self.output.shutdown()
