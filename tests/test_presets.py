@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from replicas import presets
+from replicas import presets, random_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMALL_BASE = dict(vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -62,8 +62,9 @@ def _assert_loaded_exactly(model, model_dir: str) -> None:
     assert missing <= {"lm_head.weight"}, missing
 
 
-def test_import_does_not_pull_torch():
-    code = "import replicas.presets, sys; assert 'torch' not in sys.modules, 'torch imported'"
+def test_import_does_not_pull_torch_or_the_checkpoint_writer():
+    code = ("import replicas.presets, sys; assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert 'replicas.random_checkpoint' not in sys.modules, 'writer imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
 
 
@@ -80,7 +81,7 @@ def test_preset_dir_is_complete_and_loads(tiny_dir):
     _assert_loaded_exactly(model, tiny_dir)
     assert model.config.rope_parameters["rope_theta"] == 10000.0
     assert 6_500_000 < model.num_parameters() < 7_500_000
-    assert model.num_parameters() == presets.num_parameters(presets.PRESETS["tiny"])
+    assert model.num_parameters() == random_checkpoint.num_parameters(presets.PRESETS["tiny"])
     assert model.generation_config.eos_token_id == [presets.IM_END_TOKEN_ID,
                                                      presets.END_OF_TEXT_TOKEN_ID]
     logits = model(torch.tensor([[0, 10, 200, 4000]])).logits
@@ -90,7 +91,7 @@ def test_preset_dir_is_complete_and_loads(tiny_dir):
 
 
 def test_small_preset_size():
-    assert 80_000_000 < presets.num_parameters(presets.PRESETS["small"]) < 95_000_000
+    assert 80_000_000 < random_checkpoint.num_parameters(presets.PRESETS["small"]) < 95_000_000
 
 
 def test_preset_generation_is_deterministic(tiny_dir, tmp_path, monkeypatch):
@@ -191,7 +192,7 @@ def test_chat_template(tokenizer):
 ])
 def test_random_checkpoint_loads_in_transformers(tmp_path, model_type, extra, bias_names):
     config = {**SMALL_BASE, "model_type": model_type, **extra}
-    model_dir = presets.write_random_checkpoint(tmp_path / "ckpt", config, seed=7)
+    model_dir = random_checkpoint.write_random_checkpoint(tmp_path / "ckpt", config, seed=7)
     model = _load(model_dir)
     _assert_loaded_exactly(model, model_dir)
     saved = load_file(os.path.join(model_dir, "model.safetensors"))
@@ -209,14 +210,14 @@ def test_random_checkpoint_loads_in_transformers(tmp_path, model_type, extra, bi
 
 def test_random_checkpoint_init_options(tmp_path):
     config = {**SMALL_BASE, "model_type": "qwen2"}
-    flat = load_file(presets.write_random_checkpoint(tmp_path / "a", config, 3, perturb=False)
+    flat = load_file(random_checkpoint.write_random_checkpoint(tmp_path / "a", config, 3, perturb=False)
                      + "/model.safetensors")
     assert torch.equal(flat["model.norm.weight"], torch.ones(64))
     assert torch.equal(flat["model.layers.0.self_attn.q_proj.bias"], torch.zeros(64))
     assert 0.015 < flat["model.embed_tokens.weight"].std() < 0.025
-    bf16_dir = presets.write_random_checkpoint(tmp_path / "b", config, 3, dtype="bfloat16")
+    bf16_dir = random_checkpoint.write_random_checkpoint(tmp_path / "b", config, 3, dtype="bfloat16")
     bf16 = load_file(bf16_dir + "/model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in bf16.values())
     assert json.loads(Path(bf16_dir, "config.json").read_text())["torch_dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="model_type"):
-        presets.write_random_checkpoint(tmp_path / "c", {**config, "model_type": "gpt2"}, 0)
+        random_checkpoint.write_random_checkpoint(tmp_path / "c", {**config, "model_type": "gpt2"}, 0)
