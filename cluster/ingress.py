@@ -237,7 +237,7 @@ class Ingress:
                  api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key_sha256: str | None = None,
                  request_timeout_s: float | None = None) -> None:
-        from deltas.tokenizer import Tokenizer
+        from deltas.tokenization.tokenizer import Tokenizer
         from replicas.presets import resolve_tokenizer_dir
 
         self._engine = engine

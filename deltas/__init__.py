@@ -7,7 +7,7 @@ from deltas.detokenizer import IncrementalDetokenizer
 from deltas.sink import DeltaSink
 from deltas.stop_strings import StopStringMatcher
 from deltas.text_stream import TextStream
-from deltas.tokenizer import Tokenizer
+from deltas.tokenization.tokenizer import Tokenizer
 from deltas.types import FinishReason, OutputKind, TextDelta, TokenDelta
 
 __all__ = [

@@ -1,9 +1,9 @@
 """Incremental detokenizing: new token ids in, only the new text out.
 
-Mapped decoders (see token_bytes.py): each token's bytes come from a table and
-go through an incremental UTF-8 decoder, so a character split across tokens
-stays pending until its last byte arrives: O(1) work per token, never a
-re-decode. The concatenation of all push() outputs plus flush() equals
+Mapped decoders (see deltas/tokenization/token_bytes.py): each token's bytes come
+from a table and go through an incremental UTF-8 decoder, so a character split
+across tokens stays pending until its last byte arrives: O(1) work per token,
+never a re-decode. The concatenation of all push() outputs plus flush() equals
 `tokenizer.decode(all_ids)` for any split of the ids into pushes.
 
 NOTE: on invalid UTF-8 (a model emitting a broken byte sequence) we replace
@@ -19,7 +19,7 @@ import codecs
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from deltas.tokenizer import Tokenizer
+    from deltas.tokenization.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -19,7 +19,7 @@ from deltas.stop_strings import StopStringMatcher
 from deltas.types import FinishReason, TextDelta, TokenDelta
 
 if TYPE_CHECKING:
-    from deltas.tokenizer import Tokenizer
+    from deltas.tokenization.tokenizer import Tokenizer
 
 
 class TextStream:

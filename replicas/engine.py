@@ -28,9 +28,9 @@ class Engine:
 
     @property
     def tokenizer(self):
-        """The model's tokenizer (deltas.tokenizer.Tokenizer), or None without one."""
+        """The model's tokenizer (deltas.tokenization.tokenizer.Tokenizer), or None without one."""
         if self._tokenizer is None and os.path.isfile(os.path.join(self.core.model_dir, "tokenizer.json")):
-            from deltas.tokenizer import Tokenizer
+            from deltas.tokenization.tokenizer import Tokenizer
             self._tokenizer = Tokenizer.from_dir(self.core.model_dir)
         return self._tokenizer
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as Backend
 
-from deltas.tokenizer import Tokenizer
-from deltas.token_bytes import BYTE_LEVEL_CHAR_TO_BYTE
+from deltas.tokenization.token_bytes import BYTE_LEVEL_CHAR_TO_BYTE
+from deltas.tokenization.tokenizer import Tokenizer
 
 SAMPLE_TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

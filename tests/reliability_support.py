@@ -126,7 +126,7 @@ async def gather_bounded(coros, limit: int):
 def greedy_texts(model: str, engine_args: dict, prompts: list[str]):
     """`texts(max_tokens)`: the offline engine's greedy texts of `prompts` (ignore_eos),
     computed once per max_tokens: the reference every served stream must equal."""
-    from deltas.tokenizer import Tokenizer
+    from deltas.tokenization.tokenizer import Tokenizer
     from replicas import Engine, EngineConfig, SamplingParams
     from replicas.presets import resolve_tokenizer_dir
 

@@ -10,7 +10,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as Backend
 
 from deltas.detokenizer import IncrementalDetokenizer, _TableDetokenizer, _WindowDetokenizer
-from deltas.tokenizer import Tokenizer
+from deltas.tokenization.tokenizer import Tokenizer
 from tests.deltas_tokenizers import (
     CORPUS, SAMPLE_TEXTS, SENTENCEPIECE_DECODERS, byte_level_tokenizer, qwen2_tokenizer_dir,
     sentencepiece_tokenizer,

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltas.text_stream import TextStream
-from deltas.tokenizer import Tokenizer
+from deltas.tokenization.tokenizer import Tokenizer
 from deltas.types import FinishReason, TextDelta, TokenDelta
 from tests.deltas_tokenizers import SAMPLE_TEXTS, byte_level_tokenizer
 

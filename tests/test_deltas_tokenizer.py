@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import processors
 
-from deltas.tokenizer import Tokenizer
+from deltas.tokenization.tokenizer import Tokenizer
 from tests.deltas_tokenizers import SAMPLE_TEXTS, byte_level_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -17,8 +17,8 @@ from typing import Any
 import jinja2
 import tokenizers
 
-from deltas.chat_template import render_chat_template
-from deltas.token_bytes import TokenByteTable
+from deltas.tokenization.chat_template import render_chat_template
+from deltas.tokenization.token_bytes import TokenByteTable
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
