@@ -11,7 +11,7 @@ __all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineOverloaded", "Samplin
 
 def __getattr__(name: str):
     if name == "Engine":
-        from replicas.engine import Engine
+        from replicas.offline_engine import Engine
         return Engine
     if name in ("AsyncEngine", "EngineOverloaded", "EngineDeadError"):
         from replicas import async_engine
