@@ -21,6 +21,7 @@ from replicas.config import EngineConfig
 from replicas.cuda_graphs import PendingHostCopy, build_decode_graphs, start_host_copy
 from replicas.models.loader import load_model
 from replicas.models.model_config import ModelConfig
+from replicas.models.packed_linear import pack_linears
 from replicas.request import Request
 from replicas.sampler import SamplingBatch, build_sampling_batch, sample_no_sync
 from replicas.scheduler import SchedulerOutput
@@ -65,6 +66,8 @@ class ModelRunner:
         # rope tables cover the longest window that may run past max_model_len
         self.model = load_model(model_dir, config.dtype, self.device,
                                 max_model_len + config.num_scheduler_steps + 1)
+        if self.device.type == "cpu":
+            pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 256))
         self.backend = _select_backend(config, self.device)
         logger.info("attention backend: %s", self.backend.name)
         self.num_blocks = self._num_blocks(max_model_len)

@@ -1,0 +1,62 @@
+"""Linear layers with weights pre-packed for oneDNN, for float32 on CPU.
+
+A model's projections run as `x @ W.T` with W fixed for the life of the engine.
+Reordering W once into oneDNN's blocked layout (the packing torch's own CPU
+compiler applies to frozen weights) lets every step skip the repacking a plain
+GEMM call does on each call, which matters at decode batch sizes. The packed
+tensor replaces the original weight (no second copy); a weight shared with the
+embedding (tied lm_head) is packed into its own copy.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("stepstream")
+
+
+def packing_available() -> str | None:
+    """None when packing can run here, else why not."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return "this torch build lacks oneDNN's packed linear ops"
+    return None
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T + b over a (T, in_features) input, W packed for oneDNN."""
+
+    def __init__(self, linear: nn.Linear, batch_size_hint: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_size_hint)
+        self.register_buffer("packed_weight", packed, persistent=False)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module, batch_size_hint: int) -> int:
+    """Replace every float32 CPU nn.Linear in `model` by a PackedLinear; returns how many.
+
+    Logs and leaves the model as it is when packing cannot run here.
+    """
+    problem = packing_available()
+    if problem is not None:
+        logger.info("linear layers stay unpacked: %s", problem)
+        return 0
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children()
+               if type(child) is nn.Linear and child.weight.device.type == "cpu"
+               and child.weight.dtype == torch.float32]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child, batch_size_hint))
+    logger.info("packed %d linear layers for oneDNN (batch size hint %d)", len(targets), batch_size_hint)
+    return len(targets)

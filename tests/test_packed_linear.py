@@ -1,0 +1,48 @@
+"""oneDNN-packed linear layers: same outputs as nn.Linear, and a clean fallback."""
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from replicas.models import packed_linear
+from replicas.models.packed_linear import PackedLinear, pack_linears
+
+needs_packing = pytest.mark.skipif(packed_linear.packing_available() is not None,
+                                   reason="no oneDNN packed linear in this torch build")
+
+
+@needs_packing
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_matches_nn_linear(bias, rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 320, bias=bias)
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(PackedLinear(linear, 64)(x), linear(x), atol=1e-4, rtol=1e-5)
+
+
+@needs_packing
+def test_packs_every_float32_linear_and_keeps_a_tied_weight_for_the_embedding():
+    model = nn.Module()
+    model.embed = nn.Embedding(50, 16)
+    model.proj = nn.Linear(16, 16)
+    model.head = nn.Linear(16, 50, bias=False)
+    model.head.weight = model.embed.weight
+    model.half = nn.Linear(16, 16).to(torch.bfloat16)
+    assert pack_linears(model, 8) == 2
+    assert isinstance(model.proj, PackedLinear) and isinstance(model.head, PackedLinear)
+    assert type(model.half) is nn.Linear  # float32 only
+    assert model.embed.weight.shape == (50, 16)
+    ids = torch.tensor([3, 7])
+    torch.testing.assert_close(model.head(model.embed(ids)), model.embed(ids) @ model.embed.weight.T,
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_without_onednn_the_model_stays_as_it_is(monkeypatch, caplog):
+    monkeypatch.setattr(packed_linear, "packing_available", lambda: "this torch build has no oneDNN")
+    model = nn.Sequential(nn.Linear(4, 4))
+    with caplog.at_level(logging.INFO, logger="stepstream"):
+        assert pack_linears(model, 8) == 0
+    assert type(model[0]) is nn.Linear
+    assert "stay unpacked: this torch build has no oneDNN" in caplog.text
