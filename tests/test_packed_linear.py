@@ -29,10 +29,10 @@ def test_packs_every_float32_linear_and_keeps_a_tied_weight_for_the_embedding():
     model.proj = nn.Linear(16, 16)
     model.head = nn.Linear(16, 50, bias=False)
     model.head.weight = model.embed.weight
-    model.half = nn.Linear(16, 16).to(torch.bfloat16)
+    model.low = nn.Linear(16, 16).to(torch.bfloat16)
     assert pack_linears(model, 8) == 2
     assert isinstance(model.proj, PackedLinear) and isinstance(model.head, PackedLinear)
-    assert type(model.half) is nn.Linear  # float32 only
+    assert type(model.low) is nn.Linear  # float32 only
     assert model.embed.weight.shape == (50, 16)
     ids = torch.tensor([3, 7])
     torch.testing.assert_close(model.head(model.embed(ids)), model.embed(ids) @ model.embed.weight.T,
