@@ -206,18 +206,45 @@ def _print_matrix(rows: list[dict]) -> None:
           flush=True)
 
 
+def ceiling_run(model: str, num_seqs: int, args) -> dict:
+    from loadtests import bench_ceiling as bc
+    output_len = args.output_len if args.output_len != 256 else 128
+    config = _cfg(model)
+    result = {"workload": {"model": model, "num_seqs": num_seqs, "input_len": args.input_len,
+                           "output_len": output_len}, "baseline_ref": args.baseline_ref}
+    result["engine"] = bc.compare_with_baseline(model, num_seqs, args.input_len, output_len,
+                                                args.baseline_ref, args.repeats)
+    result["ceiling"] = bc.raw_forward(config, num_seqs, args.input_len, output_len)
+    trace = os.path.join(args.result_dir, f"engine_trace_{model}_{num_seqs}.json")
+    result["breakdown"] = bc.profile_breakdown(config, num_seqs, args.input_len, output_len, trace)
+    bc.print_report(result)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--matrix", action="store_true", help="the multi-step/async/streaming matrix")
     ap.add_argument("--models", nargs="+", default=["tiny", "small"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=None)
-    ap.add_argument("--output-len", type=int, default=256, help="matrix output length")
-    ap.add_argument("--repeats", type=int, default=1, help="matrix rounds (medians)")
+    ap.add_argument("--output-len", type=int, default=256,
+                    help="matrix output length (--ceiling: 128 unless given)")
+    ap.add_argument("--repeats", type=int, default=1, help="matrix / ceiling rounds (medians)")
     ap.add_argument("--hf-batch-max", type=int, default=64)
     ap.add_argument("--result-dir", default="results")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="raw forward vs the engine on one workload, with a profiled step "
+                         "breakdown (loadtests/bench_ceiling.py); defaults: tiny, 200 streams")
+    ap.add_argument("--baseline-ref", default=None,
+                    help="with --ceiling: also run the engine at this git revision, interleaved")
+    ap.add_argument("--input-len", type=int, default=128)
     args = ap.parse_args()
     os.makedirs(args.result_dir, exist_ok=True)
-    if args.matrix:
+    if args.ceiling:
+        models = args.models if args.models != ["tiny", "small"] else ["tiny"]
+        result = {"ceiling": [ceiling_run(m, c, args) for m in models
+                              for c in (args.concurrency or [200])]}
+        path = os.path.join(args.result_dir, "bench_engine_ceiling.json")
+    elif args.matrix:
         conc = args.concurrency or [64, 256]
         result = {"matrix": matrix_table(args.models, conc, args.output_len, args.repeats),
                   "output_cost": output_cost_table("tiny", [128, 2048])}

@@ -54,6 +54,15 @@ def test_mixed_prefill_and_decode_matches_the_torch_backend():
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_a_padded_row_of_length_zero_gets_zeros_and_the_others_are_unchanged():
+    q, k_cache, v_cache, meta = _decode_case(3, 4, 2, 16, 16, [5, 0, 20])
+    got = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    meta.decode_seq_lens[1] = 1
+    ref = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(got[[0, 2]], ref[[0, 2]], atol=1e-5, rtol=1e-5)
+
+
 def test_a_length_outside_the_block_table_is_refused():
     q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 16, 16, [3, 20])
     meta.decode_seq_lens[1] = 16 * meta.decode_block_tables.shape[1] + 1

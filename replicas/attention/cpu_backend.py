@@ -54,7 +54,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         width = tables.shape[1]
-        if B and (int(lens.min()) < 1 or int(lens.max()) > width * bs):
+        # NOTE: length 0 is a padded row (a fixed-size batch): it reads nothing
+        if B and (int(lens.min()) < 0 or int(lens.max()) > width * bs):
             raise ValueError("a decode sequence length is outside its block table")
         rc = self._kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                           lens.data_ptr(), out.data_ptr(), B, h, kvh, d, bs, width, scale,

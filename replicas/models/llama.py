@@ -23,6 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # NOTE: torch's fused op computes exactly the expression below in float32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # NOTE: float32 statistics, as transformers computes them (parity).
         dtype = x.dtype
         x32 = x.float()
@@ -69,10 +72,15 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, head_dim)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions`, (T, 1, head_dim): looked up once per forward,
+        shared by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -92,17 +100,25 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        qkv = self.qkv_proj(x)
+        cos, sin = rope_tables
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # NOTE: q and k sit side by side in qkv: one rotary pass over both heads
+            qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads,
+                                                          self.head_dim)
+            qk = RotaryEmbedding.apply(qk, cos, sin)
+            # NOTE: contiguous, as every backend has always been given them
+            q, k = qk[:, :self.num_heads].contiguous(), qk[:, self.num_heads:].contiguous()
+        else:
+            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale)  # (T, heads, head_dim)
@@ -148,8 +164,9 @@ class LlamaForCausalLM(nn.Module):
                 backend: AttentionBackend, logits_indices: torch.Tensor | None) -> torch.Tensor:
         """(T,) ids -> (num_sampled, vocab) float32 logits of the rows in logits_indices."""
         h = self.embed_tokens(input_ids)
+        rope_tables = self.rope.tables(positions, h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            attn = layer.self_attn(layer.input_layernorm(h), positions, self.rope, kv_cache, meta, backend)
+            attn = layer.self_attn(layer.input_layernorm(h), rope_tables, kv_cache, meta, backend)
             h = h + attn
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if logits_indices is not None:

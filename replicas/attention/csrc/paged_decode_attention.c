@@ -1,6 +1,7 @@
 /* Decode attention straight over the paged KV cache, for the CPU backend.
  *
- * One query token per sequence attends to its first seq_lens[b] cached tokens.
+ * One query token per sequence attends to its first seq_lens[b] cached tokens; a
+ * row of length 0 (padding of a fixed-size batch) reads nothing and gets zeros.
  * Layout as in replicas/attention/base.py: caches are (num_blocks, block_size,
  * num_kv_heads, head_dim) float32; q and out are (B, num_heads, head_dim).
  *
@@ -89,6 +90,10 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
         #pragma omp for schedule(dynamic, 4)
         for (int64_t b = 0; b < B; b++) {
             const int64_t L = seq_lens[b];
+            if (L <= 0) {
+                memset(out + b * h * d, 0, sizeof(float) * h * d);
+                continue;
+            }
             if (h * L > capacity) {
                 free(scores);
                 capacity = 2 * h * L;

@@ -1,0 +1,256 @@
+"""How far the engine runs below the model's own forward pass, and where the rest goes:
+`python -m loadtests.bench_engine --ceiling` (see its --help).
+
+In one run, on one workload (num_seqs prompts of input_len tokens, output_len
+tokens each, greedy, ignore_eos):
+- **ceiling**: the raw forward of our model over the same work (the prompts'
+  prefill in chunks of max_num_batched_tokens, then one decode step per output
+  token at the full batch and the same context lengths), inputs built beforehand,
+  no scheduler, no sampler, no output;
+- **engine**: the full AsyncEngine (N=8, async output, per-step release) with one
+  consumer task per request, as `bench_engine` runs it;
+- **baseline** (optional): the same engine run from another git revision, in a
+  subprocess, interleaved with ours round by round;
+- **breakdown**: one offline engine run under torch.profiler, its step split into
+  phases; the trace is saved for chrome://tracing or Perfetto.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from replicas import EngineConfig, SamplingParams
+from replicas.request import Request
+from replicas.scheduler import ScheduledSeq, SchedulerOutput
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class _NullSink:
+    def put(self, delta, notify=True, wakes=None) -> None:
+        pass
+
+    def notify(self) -> None:
+        pass
+
+
+def _prompts(num_seqs: int, input_len: int) -> list[list[int]]:
+    from loadtests.bench_engine import _prompts as bench_prompts
+    return bench_prompts(num_seqs, input_len, seed=1)
+
+
+# -- the ceiling ----------------------------------------------------------------
+def raw_forward(config: EngineConfig, num_seqs: int, input_len: int, output_len: int) -> dict:
+    """Times the model's forward alone over the workload; see the module docstring."""
+    from replicas.block_manager import BlockManager
+    from replicas.dtype_choice import resolve_dtype
+    from replicas.model_runner import ModelRunner
+    from replicas.models.model_config import ModelConfig
+    from replicas.presets import ensure_model_dir
+    import dataclasses
+
+    model_dir = ensure_model_dir(config.model)
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device, model_dir)[0])
+    max_len = config.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
+    runner = ModelRunner(config, model_dir, max_len)
+    bm = BlockManager(runner.num_blocks, config.block_size, enable_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    reqs = [Request(f"r{i}", p, params, _NullSink(), frozenset(), output_len)
+            for i, p in enumerate(_prompts(num_seqs, input_len))]
+
+    def grow(req: Request, num_tokens: int) -> None:
+        bm.allocate(req.block_ids, num_tokens)
+
+    # prefill chunks, as the scheduler packs them (whole prompts up to the budget)
+    prefill_inputs, chunk = [], []
+    budget = config.max_num_batched_tokens
+    for req in reqs:
+        if chunk and sum(len(r.prompt_token_ids) for r in chunk) + input_len > budget:
+            prefill_inputs.append(chunk)
+            chunk = []
+        chunk.append(req)
+    prefill_inputs.append(chunk)
+    built = []
+    for chunk in prefill_inputs:
+        for r in chunk:
+            grow(r, input_len)
+        built.append(runner.prepare_inputs(SchedulerOutput(
+            prefill_seqs=[ScheduledSeq(r, 0, input_len, True) for r in chunk])))
+        for r in chunk:
+            r.num_computed_tokens = input_len
+            r.output_token_ids.append(r.prompt_token_ids[-1])
+    num_prefill = len(built)
+    for step in range(output_len - 1):  # the first token comes from the prefill
+        for r in reqs:
+            grow(r, r.num_computed_tokens + 1)
+        built.append(runner.prepare_inputs(SchedulerOutput(
+            decode_seqs=[ScheduledSeq(r, r.num_computed_tokens, 1, True) for r in reqs])))
+        for r in reqs:
+            r.num_computed_tokens += 1
+            r.output_token_ids.append(r.output_token_ids[-1])
+    times = []
+    with torch.inference_mode():
+        for inputs in built[:2]:  # warm-up, same shapes
+            runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta,
+                         runner.backend, inputs.logits_indices)
+        for inputs in built:
+            t0 = time.perf_counter()
+            runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta,
+                         runner.backend, inputs.logits_indices)
+            times.append(time.perf_counter() - t0)
+    prefill_s, decode_s = sum(times[:num_prefill]), sum(times[num_prefill:])
+    total_tokens = num_seqs * output_len
+    return {"output_tokens_per_s": total_tokens / (prefill_s + decode_s),
+            "prefill_s": prefill_s, "decode_s": decode_s,
+            "decode_only_tokens_per_s": num_seqs * (output_len - 1) / decode_s,
+            "backend": runner.backend.name, "dtype": config.dtype}
+
+
+# -- the engine, here and at a baseline revision ------------------------------------
+_ENGINE_SNIPPET = ("import json, sys; from loadtests.bench_engine import run_engine, _cfg; "
+                   "m, n, i, o = sys.argv[1], *map(int, sys.argv[2:5]); "
+                   "print('RESULT ' + json.dumps(run_engine(_cfg(m), n, n, i, o)))")
+
+
+def engine_in_subprocess(tree: Path, model: str, num_seqs: int, input_len: int, output_len: int) -> dict:
+    """run_engine from the source tree `tree`, in a fresh interpreter (same conditions
+    for the current tree and a baseline)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([sys.executable, "-c", _ENGINE_SNIPPET, model, str(num_seqs),
+                           str(input_len), str(output_len)], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine run in {tree} failed:\n{proc.stderr[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@contextlib.contextmanager
+def source_tree_at(ref: str):
+    """The repository's files at git revision `ref`, in a temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="stepstream-baseline-") as tmp:
+        archive = subprocess.run(["git", "archive", "--format=tar", ref], cwd=REPO_ROOT,
+                                 capture_output=True, check=True).stdout
+        archive_path = Path(tmp) / "src.tar"
+        archive_path.write_bytes(archive)
+        with tarfile.open(archive_path) as tar:
+            tar.extractall(Path(tmp) / "tree", filter="data")
+        yield Path(tmp) / "tree"
+
+
+def compare_with_baseline(model: str, num_seqs: int, input_len: int, output_len: int,
+                          baseline_ref: str | None, repeats: int) -> dict:
+    runs: dict[str, list[dict]] = {"current": [], "baseline": []}
+    with contextlib.ExitStack() as stack:
+        trees = {"current": REPO_ROOT}
+        if baseline_ref:
+            trees["baseline"] = stack.enter_context(source_tree_at(baseline_ref))
+        for _ in range(repeats):  # NOTE: interleaved rounds, medians: a noisy machine
+            for name, tree in trees.items():
+                runs[name].append(engine_in_subprocess(tree, model, num_seqs, input_len, output_len))
+    out = {}
+    for name, rs in runs.items():
+        if rs:
+            out[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+            out[name]["runs_tokens_per_s"] = [r["output_tokens_per_s"] for r in rs]
+    return out
+
+
+# -- the breakdown --------------------------------------------------------------------
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
+PHASES = ("schedule", "inputs", "attention", "matmuls", "other model ops", "sampling",
+          "host sync", "output flush wait", "loop (python, bookkeeping)")
+
+
+def _labelled(fn, label: str):
+    from torch.profiler import record_function
+
+    def wrapper(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def profile_breakdown(config: EngineConfig, num_seqs: int, input_len: int, output_len: int,
+                      trace_path: str) -> dict:
+    """One offline engine run (the loop in this thread) under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    from replicas import Engine
+    from replicas import model_runner as mr
+
+    engine = Engine(config)
+    core, runner = engine.core, engine.core.runner
+    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))  # warm-up
+    # NOTE: labels by wrapping, so the product code carries no profiling hooks
+    core.scheduler.schedule = _labelled(core.scheduler.schedule, "phase:schedule")
+    core.output.wait = _labelled(core.output.wait, "phase:output flush wait")
+    runner.prepare_inputs = _labelled(runner.prepare_inputs, "phase:inputs")
+    runner.model.forward = _labelled(runner.model.forward, "phase:model")
+    runner.backend.forward = _labelled(runner.backend.forward, "phase:attention")
+    runner.backend.store_kv = _labelled(runner.backend.store_kv, "phase:attention")
+    runner._host_sync = _labelled(runner._host_sync, "phase:host sync")
+    saved = mr.sample_no_sync, mr.build_sampling_batch
+    mr.sample_no_sync = _labelled(mr.sample_no_sync, "phase:sampling")
+    mr.build_sampling_batch = _labelled(mr.build_sampling_batch, "phase:inputs")
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    cpu0 = core.output.cpu_time_s
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            engine.generate(_prompts(num_seqs, input_len), params)
+            wall = time.perf_counter() - t0
+    finally:
+        mr.sample_no_sync, mr.build_sampling_batch = saved
+        output_cpu = core.output.cpu_time_s - cpu0
+        engine.shutdown()
+    prof.export_chrome_trace(trace_path)
+    totals: dict[str, float] = {}
+    for evt in prof.key_averages():
+        key = evt.key
+        if key.startswith("phase:"):
+            totals[key[6:]] = totals.get(key[6:], 0.0) + evt.cpu_time_total / 1e6
+        elif key in MATMUL_OPS:
+            totals["matmuls"] = totals.get("matmuls", 0.0) + evt.self_cpu_time_total / 1e6
+    model = totals.pop("model", 0.0)
+    totals["other model ops"] = max(0.0, model - totals.get("attention", 0.0) - totals.get("matmuls", 0.0))
+    totals["loop (python, bookkeeping)"] = max(0.0, wall - sum(totals.values()))
+    return {"wall_s": wall, "phases_s": {p: totals.get(p, 0.0) for p in PHASES},
+            "output_processing_cpu_s": output_cpu, "trace": trace_path,
+            "backend": runner.backend.name}
+
+
+def print_report(result: dict) -> None:
+    c, e = result["ceiling"], result["engine"]
+    w = result["workload"]
+    print(f"\n{w['model']}, {w['num_seqs']} streams, {w['input_len']} in / {w['output_len']} out "
+          f"({c['backend']} attention, {c['dtype']})")
+    print(f"  ceiling (raw forward):  {c['output_tokens_per_s']:8.0f} tok/s "
+          f"(prefill {c['prefill_s']:.2f} s, decode {c['decode_s']:.2f} s; decode alone "
+          f"{c['decode_only_tokens_per_s']:.0f} tok/s)")
+    cur = e["current"]
+    print(f"  engine:                 {cur['output_tokens_per_s']:8.0f} tok/s "
+          f"= {cur['output_tokens_per_s'] / c['output_tokens_per_s']:.0%} of the ceiling, "
+          f"{cur['output_tokens_per_s'] / c['decode_only_tokens_per_s']:.0%} of decode alone")
+    if "baseline" in e:
+        base = e["baseline"]
+        print(f"  engine at {result['baseline_ref']}: {base['output_tokens_per_s']:8.0f} tok/s "
+              f"-> {cur['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x now "
+              f"(rounds: now {[round(x) for x in cur['runs_tokens_per_s']]}, "
+              f"then {[round(x) for x in base['runs_tokens_per_s']]})")
+    b = result.get("breakdown")
+    if b:
+        print(f"  engine step breakdown (offline engine under the profiler, {b['wall_s']:.1f} s wall):")
+        for phase, s in b["phases_s"].items():
+            print(f"    {phase:<28}{s:7.2f} s {s / b['wall_s']:6.1%}")
+        print(f"    output processing (its own thread): {b['output_processing_cpu_s']:.2f} s CPU")
+        print(f"  trace: {b['trace']}")
