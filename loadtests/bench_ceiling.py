@@ -229,6 +229,28 @@ def profile_breakdown(config: EngineConfig, num_seqs: int, input_len: int, outpu
             "backend": runner.backend.name}
 
 
+_BREAKDOWN_SNIPPET = (
+    "import importlib.util, json, sys; from replicas import EngineConfig; "
+    "spec = importlib.util.spec_from_file_location('bench_ceiling', sys.argv[1]); "
+    "bc = importlib.util.module_from_spec(spec); spec.loader.exec_module(bc); "
+    "m, n, i, o = sys.argv[2], *map(int, sys.argv[3:6]); "
+    "r = bc.profile_breakdown(EngineConfig(model=m, max_num_seqs=256), n, i, o, sys.argv[6]); "
+    "print('RESULT ' + json.dumps(r))")
+
+
+def breakdown_in_subprocess(tree: Path, model: str, num_seqs: int, input_len: int, output_len: int,
+                            trace_path: str) -> dict:
+    """profile_breakdown (this file) over the engine of the source tree `tree`."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([sys.executable, "-c", _BREAKDOWN_SNIPPET, __file__, model, str(num_seqs),
+                           str(input_len), str(output_len), os.path.abspath(trace_path)],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"profiled run in {tree} failed:\n{proc.stderr[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
 def print_report(result: dict) -> None:
     c, e = result["ceiling"], result["engine"]
     w = result["workload"]
@@ -247,10 +269,19 @@ def print_report(result: dict) -> None:
               f"-> {cur['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x now "
               f"(rounds: now {[round(x) for x in cur['runs_tokens_per_s']]}, "
               f"then {[round(x) for x in base['runs_tokens_per_s']]})")
-    b = result.get("breakdown")
+    b, base = result.get("breakdown"), result.get("baseline_breakdown")
     if b:
-        print(f"  engine step breakdown (offline engine under the profiler, {b['wall_s']:.1f} s wall):")
-        for phase, s in b["phases_s"].items():
-            print(f"    {phase:<28}{s:7.2f} s {s / b['wall_s']:6.1%}")
+        print("  engine step breakdown (offline engine under the profiler; seconds, share of wall):")
+        head = f"    {'phase':<28}{'now':>16}"
+        if base:
+            head += f"{'at ' + result['baseline_ref']:>20}"
+        print(head)
+        rows = [(p, b["phases_s"][p], base["phases_s"].get(p) if base else None) for p in b["phases_s"]]
+        rows.append(("wall", b["wall_s"], base["wall_s"] if base else None))
+        for phase, now, then in rows:
+            line = f"    {phase:<28}{now:8.2f} s {now / b['wall_s']:6.1%}"
+            if then is not None:
+                line += f"{then:12.2f} s {then / base['wall_s']:6.1%}"
+            print(line)
         print(f"    output processing (its own thread): {b['output_processing_cpu_s']:.2f} s CPU")
-        print(f"  trace: {b['trace']}")
+        print(f"  trace: {b['trace']}" + (f" (baseline: {base['trace']})" if base else ""))

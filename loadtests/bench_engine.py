@@ -217,6 +217,11 @@ def ceiling_run(model: str, num_seqs: int, args) -> dict:
     result["ceiling"] = bc.raw_forward(config, num_seqs, args.input_len, output_len)
     trace = os.path.join(args.result_dir, f"engine_trace_{model}_{num_seqs}.json")
     result["breakdown"] = bc.profile_breakdown(config, num_seqs, args.input_len, output_len, trace)
+    if args.baseline_ref:
+        with bc.source_tree_at(args.baseline_ref) as tree:
+            result["baseline_breakdown"] = bc.breakdown_in_subprocess(
+                tree, model, num_seqs, args.input_len, output_len,
+                os.path.join(args.result_dir, f"engine_trace_{model}_{num_seqs}_baseline.json"))
     bc.print_report(result)
     return result
 

@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--no-fast-front-door", action="store_true",
                     help="skip the rows behind Serve's HAProxy front door")
     ap.add_argument("--result-dir", default="results")
+    ap.add_argument("--engine-threads", type=int, nargs="*", default=[],
+                    help="also serve with the engine's torch thread count set to each of these "
+                         "(`--num-threads`), Serve proxy path, one row each")
     args = ap.parse_args()
     os.makedirs(args.result_dir, exist_ok=True)
     log = os.path.join(args.result_dir, "bench_http_server.log")
@@ -60,6 +63,9 @@ def main() -> None:
     rows = {"offline": _offline(m, n, n, il, ol)}
     for name, flags in paths.items():
         rows[name] = _served(flags, m, n, il, ol, None, log)
+    for threads in args.engine_threads:
+        rows[f"http, engine threads {threads}"] = _served(["--num-threads", str(threads)], m, n, il, ol,
+                                                          None, log)
     rows["offline c=1"] = _offline(m, 10, 1, il, ol)
     for name, flags in paths.items():
         rows[f"{name} c=1"] = _served(flags, m, 10, il, ol, 1, log)
@@ -68,6 +74,9 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name} | " + " | ".join(f"{r.get(k, float('nan')):.2f}" for k in KEYS) + " |")
     offline = rows["offline"]["output_tokens_per_s"]
+    for threads in args.engine_threads:
+        r = rows[f"http, engine threads {threads}"]
+        print(f"http, engine threads {threads}: {r['output_tokens_per_s'] / offline:.2f}x offline tok/s")
     for name in paths:
         r, r1 = rows[name], rows[f"{name} c=1"]
         added = r1["median_ttft_ms"] - rows["offline c=1"]["median_ttft_ms"]
