@@ -8,6 +8,8 @@ reading deltas), with the engine loop either
   as one message over a pipe (the per-step channel's outbox and wire format); the
   parent's event loop decodes each message into the requests' collectors.
 
+`--num-threads 1 2` adds a thread row per torch thread count (how many cores the
+engine's matmuls take while the consumers and the output thread share them).
 Configurations are interleaved round by round; medians are printed.
 """
 from __future__ import annotations
@@ -140,22 +142,28 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--num-threads", type=int, nargs="*", default=[])
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {"thread": [], "process": []}
+    runs.update({f"thread, {n} torch threads": [] for n in args.num_threads})
     for _ in range(args.repeats):
         runs["thread"].append(run_engine(_cfg(args.model), args.num_requests, args.num_requests,
                                          args.input_len, args.output_len))
+        for n in args.num_threads:
+            runs[f"thread, {n} torch threads"].append(run_engine(
+                _cfg(args.model, num_threads=n), args.num_requests, args.num_requests,
+                args.input_len, args.output_len))
         runs["process"].append(run_process_engine(dict(model=args.model, max_num_seqs=256),
                                                   args.num_requests, args.input_len, args.output_len))
     print(f"\n{args.model}, {args.num_requests} streams, {args.input_len} in / {args.output_len} out; "
           f"medians of {args.repeats} interleaved rounds")
-    print(f"{'engine loop in':<16}{'tok/s':>8}{'TPOT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'TTFT p50':>10}")
+    print(f"{'engine loop in':<26}{'tok/s':>8}{'TPOT p50':>10}{'ITL p50':>9}{'ITL p99':>9}{'TTFT p50':>10}")
     med = {}
     for name, rs in runs.items():
         m = med[name] = {k: statistics.median(r[k] for r in rs) for k in
                          ("output_tokens_per_s", "median_tpot_ms", "median_itl_ms", "p99_itl_ms",
                           "median_ttft_ms")}
-        print(f"{name:<16}{m['output_tokens_per_s']:8.0f}{m['median_tpot_ms']:10.1f}"
+        print(f"{name:<26}{m['output_tokens_per_s']:8.0f}{m['median_tpot_ms']:10.1f}"
               f"{m['median_itl_ms']:9.1f}{m['p99_itl_ms']:9.1f}{m['median_ttft_ms']:10.0f}")
     print(f"process vs thread: {med['process']['output_tokens_per_s'] / med['thread']['output_tokens_per_s']:.2f}x "
           f"throughput; rounds: thread {[round(r['output_tokens_per_s']) for r in runs['thread']]}, "
