@@ -17,6 +17,9 @@ def no_triton_interpreter(monkeypatch):
 
 
 def test_auto_picks_the_cpu_kernel_for_float32_on_cpu_and_logs_why(caplog):
+    from replicas.attention.native_kernels import load_paged_decode_attention
+    if load_paged_decode_attention()[0] is None:
+        pytest.skip(load_paged_decode_attention()[1])
     with caplog.at_level(logging.INFO, logger="stepstream"):
         backend = select_attention_backend("auto", CPU, torch.float32, 16)
     assert backend.name == "cpu"
@@ -91,7 +94,7 @@ def test_triton_on_cpu_only_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert selector.why_backend_cannot_run("triton", CPU, torch.float32, 16) is None
     # auto never picks the interpreter: it is for tests only.
-    assert select_attention_backend("auto", CPU, torch.float32, 16).name == "cpu"
+    assert select_attention_backend("auto", CPU, torch.float32, 16).name in ("cpu", "torch")
 
 
 def test_triton_needs_a_power_of_two_block_size(monkeypatch):
