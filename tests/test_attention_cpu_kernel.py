@@ -90,3 +90,14 @@ def test_engine_outputs_equal_with_the_cpu_kernel_and_plain_torch():
                                  block_size=8)) as engine:
             outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outs["cpu"] == outs["torch"]
+
+
+def test_a_failing_compiler_is_reported_with_its_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("STEPSTREAM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with pytest.raises(RuntimeError, match="false .*-c .*paged_decode_attention.c.* failed"):
+        build("paged_decode_attention")
+    monkeypatch.setenv("CC", "no-such-compiler-anywhere")
+    with pytest.raises(RuntimeError, match="no C compiler found"):
+        build("paged_decode_attention")
+    assert not list(tmp_path.rglob("*.so"))
