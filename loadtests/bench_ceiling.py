@@ -149,10 +149,11 @@ def source_tree_at(ref: str):
 
 
 def compare_with_baseline(model: str, num_seqs: int, input_len: int, output_len: int,
-                          baseline_ref: str | None, repeats: int) -> dict:
+                          baseline_ref: str | None, repeats: int, current_ref: str | None = None) -> dict:
+    """Engine runs of the working tree (or `current_ref`) and of `baseline_ref`."""
     runs: dict[str, list[dict]] = {"current": [], "baseline": []}
     with contextlib.ExitStack() as stack:
-        trees = {"current": REPO_ROOT}
+        trees = {"current": stack.enter_context(source_tree_at(current_ref)) if current_ref else REPO_ROOT}
         if baseline_ref:
             trees["baseline"] = stack.enter_context(source_tree_at(baseline_ref))
         for _ in range(repeats):  # NOTE: interleaved rounds, medians: a noisy machine

@@ -213,7 +213,15 @@ def ceiling_run(model: str, num_seqs: int, args) -> dict:
     result = {"workload": {"model": model, "num_seqs": num_seqs, "input_len": args.input_len,
                            "output_len": output_len}, "baseline_ref": args.baseline_ref}
     result["engine"] = bc.compare_with_baseline(model, num_seqs, args.input_len, output_len,
-                                                args.baseline_ref, args.repeats)
+                                                args.baseline_ref, args.repeats, args.current_ref)
+    if args.current_ref:  # two revisions' engines only: the rest measures the working tree
+        cur, base = result["engine"]["current"], result["engine"].get("baseline")
+        print(f"\n{model}, {num_seqs} streams: engine at {args.current_ref} "
+              f"{cur['output_tokens_per_s']:.0f} tok/s (rounds {[round(x) for x in cur['runs_tokens_per_s']]})"
+              + (f", at {args.baseline_ref} {base['output_tokens_per_s']:.0f} tok/s (rounds "
+                 f"{[round(x) for x in base['runs_tokens_per_s']]}): "
+                 f"{cur['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else ""))
+        return result
     result["ceiling"] = bc.raw_forward(config, num_seqs, args.input_len, output_len)
     trace = os.path.join(args.result_dir, f"engine_trace_{model}_{num_seqs}.json")
     result["breakdown"] = bc.profile_breakdown(config, num_seqs, args.input_len, output_len, trace)
@@ -241,6 +249,8 @@ def main() -> None:
                          "breakdown (loadtests/bench_ceiling.py); defaults: tiny, 200 streams")
     ap.add_argument("--baseline-ref", default=None,
                     help="with --ceiling: also run the engine at this git revision, interleaved")
+    ap.add_argument("--current-ref", default=None,
+                    help="with --ceiling: compare only the engines of this revision and --baseline-ref")
     ap.add_argument("--input-len", type=int, default=128)
     args = ap.parse_args()
     os.makedirs(args.result_dir, exist_ok=True)
