@@ -19,6 +19,7 @@ import torch
 from replicas.attention.base import AttentionBackend, AttentionMetadata
 from replicas.config import EngineConfig
 from replicas.cuda_graphs import PendingHostCopy, build_decode_graphs, start_host_copy
+from replicas.kv_budget import num_kv_blocks
 from replicas.models.loader import load_model
 from replicas.models.model_config import ModelConfig
 from replicas.models.packed_linear import pack_linears
@@ -29,8 +30,6 @@ from replicas.step_advance import advance_decode_inputs_
 from replicas.step_output import StepOutput
 
 logger = logging.getLogger("stepstream")
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # (step index in the window, rows sampled, the step's sampled tokens on the host)
 StepCallback = Callable[[int, list[Request], StepOutput], None]
@@ -70,7 +69,7 @@ class ModelRunner:
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 256))
         self.backend = _select_backend(config, self.device)
         logger.info("attention backend: %s", self.backend.name)
-        self.num_blocks = self._num_blocks(max_model_len)
+        self.num_blocks = num_kv_blocks(config, self.model_config, max_model_len)
         mc = self.model_config
         shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         dtype = getattr(torch, config.dtype)
@@ -85,17 +84,6 @@ class ModelRunner:
                                                  mc.num_kv_heads, mc.vocab_size, self.device,
                                                  max_model_len)
         self.pipelined_host_copy = self.device.type == "cuda"
-
-    def _num_blocks(self, max_model_len: int) -> int:
-        mc = self.model_config
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim \
-            * _DTYPE_BYTES[self.config.dtype]
-        budget = int(self.config.kv_cache_gib * 2**30) // per_block
-        # no use for more blocks than max_num_seqs full-length sequences
-        per_seq = -(-(max_model_len + self.config.num_scheduler_steps) // self.block_size)
-        return max(1, min(budget, per_seq * self.config.max_num_seqs))
 
     # -- inputs ---------------------------------------------------------------
     def _block_table_tensor(self, reqs: list[Request]) -> torch.Tensor:
