@@ -208,7 +208,10 @@ def _print_matrix(rows: list[dict]) -> None:
 
 def ceiling_run(model: str, num_seqs: int, args) -> dict:
     from loadtests import bench_ceiling as bc
-    output_len = args.output_len if args.output_len != 256 else 128
+    output_len = args.output_len or 128
+    if num_seqs > 256:
+        raise SystemExit("--ceiling decodes every stream in one batch, and the engine runs at "
+                         "most max_num_seqs=256 at once: use --concurrency <= 256")
     config = _cfg(model)
     result = {"workload": {"model": model, "num_seqs": num_seqs, "input_len": args.input_len,
                            "output_len": output_len}, "baseline_ref": args.baseline_ref}
@@ -239,8 +242,8 @@ def main() -> None:
     ap.add_argument("--matrix", action="store_true", help="the multi-step/async/streaming matrix")
     ap.add_argument("--models", nargs="+", default=["tiny", "small"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=None)
-    ap.add_argument("--output-len", type=int, default=256,
-                    help="matrix output length (--ceiling: 128 unless given)")
+    ap.add_argument("--output-len", type=int, default=None,
+                    help="output length: --matrix 256, --ceiling 128 unless given")
     ap.add_argument("--repeats", type=int, default=1, help="matrix / ceiling rounds (medians)")
     ap.add_argument("--hf-batch-max", type=int, default=64)
     ap.add_argument("--result-dir", default="results")
@@ -261,7 +264,7 @@ def main() -> None:
         path = os.path.join(args.result_dir, "bench_engine_ceiling.json")
     elif args.matrix:
         conc = args.concurrency or [64, 256]
-        result = {"matrix": matrix_table(args.models, conc, args.output_len, args.repeats),
+        result = {"matrix": matrix_table(args.models, conc, args.output_len or 256, args.repeats),
                   "output_cost": output_cost_table("tiny", [128, 2048])}
         path = os.path.join(args.result_dir, "bench_engine_matrix.json")
     else:

@@ -3,8 +3,10 @@
 `auto` takes the checkpoint's own dtype (`torch_dtype`, or `dtype` as transformers
 5 writes it), except that a bfloat16 or float16 checkpoint on a CPU without
 native instructions for it runs in float32: emulated half precision is several
-times slower than float32 on such CPUs. An explicit half-precision dtype on such
-a CPU is honoured, with a warning. The choice and its reason are logged.
+times slower than float32 on such CPUs. On CUDA, a bfloat16 checkpoint runs as
+float16 on GPUs without bfloat16 (before compute capability 8.0). An explicit
+half-precision dtype on such a CPU is honoured, with a warning. The choice and its
+reason are logged.
 """
 from __future__ import annotations
 
@@ -50,9 +52,15 @@ def checkpoint_dtype(model_dir: str) -> str | None:
     return value if value in ("float32",) + HALF_DTYPES else None
 
 
+def _cuda_has_bf16() -> bool:
+    import torch
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 def resolve_dtype(requested: str, device: str, model_dir: str,
-                  flags: set[str] | None = None) -> tuple[str, str]:
-    """(the dtype to run, why); logs both."""
+                  flags: set[str] | None = None, cuda_bf16: bool | None = None) -> tuple[str, str]:
+    """(the dtype to run, why); logs both. `flags` and `cuda_bf16` default to this
+    machine's."""
     on_cpu = device.split(":")[0] == "cpu"
     if requested != "auto":
         dtype, why = requested, "requested explicitly"
@@ -67,6 +75,8 @@ def resolve_dtype(requested: str, device: str, model_dir: str,
             dtype, why = "float32", "auto: the checkpoint names no dtype"
         elif on_cpu and not cpu_runs_natively(ckpt, flags):
             dtype, why = "float32", f"auto: the checkpoint is {ckpt}, which this CPU has no native instructions for"
+        elif not on_cpu and ckpt == "bfloat16" and not (_cuda_has_bf16() if cuda_bf16 is None else cuda_bf16):
+            dtype, why = "float16", "auto: the checkpoint is bfloat16, which this GPU does not support"
         else:
             dtype, why = ckpt, f"auto: the checkpoint's dtype{' runs natively on this CPU' if on_cpu else ''}"
     logger.info("dtype: %s (%s; device=%s)", dtype, why, device)

@@ -97,7 +97,23 @@ def test_a_failing_compiler_is_reported_with_its_command(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     with pytest.raises(RuntimeError, match="false .*-c .*paged_decode_attention.c.* failed"):
         build("paged_decode_attention")
+    monkeypatch.setenv("CC", "ccache-like-wrapper-that-is-missing gcc")
+    with pytest.raises(RuntimeError, match="no C compiler found"):
+        build("paged_decode_attention")
     monkeypatch.setenv("CC", "no-such-compiler-anywhere")
     with pytest.raises(RuntimeError, match="no C compiler found"):
         build("paged_decode_attention")
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_block_id_outside_the_cache_is_refused():
+    q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 16, 16, [3, 20])
+    meta.decode_block_tables[1, 1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the cache"):
+        CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+
+
+def test_the_kernel_shares_torchs_openmp_runtime():
+    from replicas.attention.native_kernels import openmp_runtimes
+    runtimes = openmp_runtimes()
+    assert len(runtimes) <= 1, runtimes  # loaded by the tests above: still one pool

@@ -30,7 +30,13 @@ def test_auto_on_cpu(tmp_path, ckpt, flags, expected, caplog):
 
 
 def test_auto_on_cuda_keeps_the_checkpoint_dtype(tmp_path):
-    assert resolve_dtype("auto", "cuda:0", _checkpoint(tmp_path, "bfloat16"), NO_BF16)[0] == "bfloat16"
+    ckpt = _checkpoint(tmp_path, "bfloat16")
+    assert resolve_dtype("auto", "cuda:0", ckpt, NO_BF16, cuda_bf16=True)[0] == "bfloat16"
+
+
+def test_auto_on_a_gpu_without_bfloat16_runs_float16(tmp_path):
+    ckpt = _checkpoint(tmp_path, "bfloat16")
+    assert resolve_dtype("auto", "cuda", ckpt, NO_BF16, cuda_bf16=False)[0] == "float16"
 
 
 def test_explicit_bfloat16_on_a_cpu_without_it_is_kept_with_a_warning(tmp_path, caplog):

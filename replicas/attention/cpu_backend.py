@@ -42,8 +42,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """out[b] = attention of q[b] (heads, head_dim) over its first seq_lens[b] tokens."""
         B, h, d = q.shape
         num_blocks, bs, kvh, dk = k_cache.shape
-        # NOTE: the kernel trusts its inputs; these checks keep a bad call from
-        # reading outside the cache.
+        # NOTE: the kernel trusts its inputs; these checks (shapes, dtypes, lengths
+        # within the table, block ids within the cache) keep a bad call from reading
+        # outside the cache. A row's table must hold its blocks: padding is block 0.
         if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
             raise TypeError("the cpu attention backend runs float32 only")
         if dk != d or h % kvh or block_tables.shape[0] != B or seq_lens.shape[0] != B:
@@ -57,6 +58,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # NOTE: length 0 is a padded row (a fixed-size batch): it reads nothing
         if B and (int(lens.min()) < 0 or int(lens.max()) > width * bs):
             raise ValueError("a decode sequence length is outside its block table")
+        if B and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+            raise ValueError(f"a block id is outside the cache's {num_blocks} blocks")
         rc = self._kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                           lens.data_ptr(), out.data_ptr(), B, h, kvh, d, bs, width, scale,
                           torch.get_num_threads())

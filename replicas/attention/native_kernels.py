@@ -12,7 +12,10 @@ NOTE: `-ffast-math` is a compile flag only. Linking a shared library with it
 process on load and would change torch's numerics. It is needed at compile time
 so that glibc declares its vectorised `expf`.
 NOTE: OpenMP comes from the `libgomp.so.1` torch already loaded (same soname), so
-the kernel shares torch's thread pool instead of starting a second one.
+the kernel shares torch's thread pool instead of starting a second one. Where the
+kernel would bring a second OpenMP runtime (another compiler's, or a torch whose
+libgomp has another name), two thread pools would fight for the same cores: the
+kernel is then not used, and the reason logged.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -54,14 +58,17 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
+def _compiler() -> list[str] | None:
+    """The compiler command ($CC may carry arguments, e.g. "ccache gcc"), or None."""
+    cmd = shlex.split(os.environ.get("CC") or "cc")
+    if not cmd or shutil.which(cmd[0]) is None:
+        return None
+    return cmd
 
 
-def _compiler_version(cc: str) -> str:
+def _compiler_version(cc: list[str]) -> str:
     try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True,
+        return subprocess.run([*cc, "--version"], capture_output=True, text=True,
                               timeout=30).stdout.splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "unknown"
@@ -86,8 +93,8 @@ def build(name: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
-        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
-                    [cc, *LINK_FLAGS, str(obj), "-o", str(lib), *LINK_LIBS]):
+        for cmd in ([*cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                    [*cc, *LINK_FLAGS, str(obj), "-o", str(lib), *LINK_LIBS]):
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
             except (OSError, subprocess.SubprocessError) as error:
@@ -109,12 +116,31 @@ def load_paged_decode_attention():
         return _loaded[name]
 
 
+_OPENMP_LIBS = ("libgomp", "libomp", "libiomp")
+
+
+def openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; else empty)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return set()
+    return {p for p in paths if os.path.basename(p).startswith(_OPENMP_LIBS)}
+
+
 def _load(name: str):
     import torch  # noqa: F401 - loads torch's libgomp first, so the kernel shares it
+    before = openmp_runtimes()
     try:
         lib = ctypes.CDLL(str(build(name)))
     except (RuntimeError, OSError) as error:
         return None, f"the {name} kernel could not be built or loaded: {error}"
+    added = openmp_runtimes() - before
+    if before and added:
+        return None, (f"the {name} kernel brought a second OpenMP runtime ({', '.join(sorted(added))}) "
+                      f"beside torch's ({', '.join(sorted(before))}); set CC to the compiler "
+                      f"whose OpenMP torch uses (gcc for libgomp)")
     fn = getattr(lib, name)
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]

@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
                 self.sin[positions].unsqueeze(1).to(dtype))
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + _rotate_half(x) * sin
 
 
@@ -111,14 +111,14 @@ class Attention(nn.Module):
             # NOTE: q and k sit side by side in qkv: one rotary pass over both heads
             qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            qk = RotaryEmbedding.apply(qk, cos, sin)
+            qk = RotaryEmbedding.rotate(qk, cos, sin)
             # NOTE: contiguous, as every backend has always been given them
             q, k = qk[:, :self.num_heads].contiguous(), qk[:, self.num_heads:].contiguous()
         else:
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
-            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+            q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale)  # (T, heads, head_dim)
