@@ -38,6 +38,10 @@ class PinnedRouter(PowerOfTwoChoicesRequestRouter):
         if pending_request is not None:
             pin = pending_request.kwargs.get(PIN_KWARG)
             if pin is not None:
+                # NOTE: Serve retries at once, without awaiting, unless told to back
+                # off: a pin whose replica is not running yet (or any more) would spin
+                # the router's event loop, which then never learns of new replicas.
+                pending_request.routing_context.should_backoff = True
                 return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
             preferred = self._prefix_choice(candidate_replicas, pending_request)
             if preferred is not None:

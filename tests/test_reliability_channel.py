@@ -46,10 +46,22 @@ def _fault_both(handle, kind: str, step_delay_s: float = 0.05) -> None:
         handle.inject_fault.remote(kind, step_delay_s, pin_replica_id=rid).result(timeout_s=30)
 
 
-def _stats(handle) -> dict[str, dict]:
-    """Every engine replica's stats, each asked directly (pinned)."""
-    return {rid: handle.stats.remote(pin_replica_id=rid).result(timeout_s=30)
-            for rid in engine_replica_ids()}
+def _stats(handle, timeout_s: float = 30) -> dict[str, dict]:
+    """The stats of every engine replica that answers, each asked directly (pinned).
+
+    NOTE: a replica's actor is named before Serve routes to it (its constructor is
+    still loading the model), and a killed one may still be listed for a moment: a
+    pinned call to either waits. Such a call is cancelled after `timeout_s`, and
+    the replica left out, so callers polling with wait_until simply ask again.
+    """
+    out = {}
+    for rid in engine_replica_ids():
+        response = handle.stats.remote(pin_replica_id=rid)
+        try:
+            out[rid] = response.result(timeout_s=timeout_s)
+        except TimeoutError:
+            response.cancel()
+    return out
 
 
 def _running(handle) -> dict[str, int]:
@@ -89,7 +101,7 @@ def test_a_killed_engine_replica_fails_only_its_own_streams(server):
             assert r.finish_reason == "length" and not r.error_events
     assert len(failed) == num_on_victim, (len(failed), num_on_victim)
     # Serve replaces the killed replica: wait for two healthy engines again.
-    assert wait_until(lambda: len(engine_replica_ids()) == 2 and len(_stats(handle)) == 2, 120)
+    assert wait_until(lambda: len(engine_replica_ids()) == 2 and len(_stats(handle, 5)) == 2, 120)
     print(f"\nengine replica killed: {len(failed)} of {num_streams} streams (exactly those it "
           "held) ended with an error event; the others finished")
 
