@@ -24,22 +24,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise RuntimeError(problem)
         self._kernel = kernel
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        n = meta.num_prefill_tokens
-        for i in range(meta.num_prefills):
-            start, end = meta.prefill_query_start_loc[i], meta.prefill_query_start_loc[i + 1]
-            out[start:end] = self._prefill_one(q[start:end], k_cache, v_cache,
-                                               meta.prefill_block_tables[i], meta.prefill_seq_lens[i], scale)
-        if meta.num_decodes:
-            self.decode_into(out[n:], q[n:], k_cache, v_cache, meta.decode_block_tables,
-                             meta.decode_seq_lens, scale)
-        return out
-
-    def decode_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float) -> None:
+    def _decode_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
         """out[b] = attention of q[b] (heads, head_dim) over its first seq_lens[b] tokens."""
+        block_tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens
         B, h, d = q.shape
         num_blocks, bs, kvh, dk = k_cache.shape
         # NOTE: the kernel trusts its inputs; these checks (shapes, dtypes, lengths

@@ -36,8 +36,14 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = self._prefill_one(q[start:end], k_cache, v_cache,
                                                meta.prefill_block_tables[i], meta.prefill_seq_lens[i], scale)
         if meta.num_decodes:
-            out[num_prefill_tokens:] = self._decode(q[num_prefill_tokens:], k_cache, v_cache, meta, scale)
+            self._decode_into(out[num_prefill_tokens:], q[num_prefill_tokens:], k_cache, v_cache,
+                              meta, scale)
         return out
+
+    def _decode_into(self, out, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
+        """out = the decode rows' attention (one query token per sequence); the CPU
+        backend overrides this part only."""
+        out.copy_(self._decode(q, k_cache, v_cache, meta, scale))
 
     @staticmethod
     def _prefill_one(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
