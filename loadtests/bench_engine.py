@@ -50,10 +50,13 @@ async def _stream(engine: AsyncEngine, rid: str, prompt: list[int], params: Samp
 
 
 def run_engine(config: EngineConfig, num_requests: int, concurrency: int, input_len: int,
-               output_len: int, kind: OutputKind = OutputKind.DELTA) -> dict:
-    """Run one configuration and summarise it the way benchmark_serving does."""
+               output_len: int, kind: OutputKind = OutputKind.DELTA,
+               temperature: float = 0.0) -> dict:
+    """Run one configuration and summarise it the way benchmark_serving does.
+    `temperature` 0 is greedy; OpenAI clients that send none get 1.0."""
     engine = AsyncEngine(config)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind=kind)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
+                            output_kind=kind)
     prompts = _prompts(num_requests, input_len, seed=1)
     try:
         async def warm():

@@ -5,6 +5,13 @@ per-request seeds, presence/frequency/repetition penalties, min_tokens, logprobs
 it, updating its counters on the device), and `sample_no_sync` returns a device
 tensor: the caller makes the step's single host sync on it.
 
+Rows with a temperature draw from their adjusted distribution by inverse CDF on a
+CPU (one uniform number per row, `replicas/inverse_cdf.py`) and by the exponential
+race on a GPU (V random numbers per row, which a GPU makes in parallel at the cost
+of a memory pass; on a CPU they cost more than the model's lm_head). A seeded row
+takes its random numbers from its own generator only, so its tokens do not depend
+on the batch it runs in.
+
 `SamplingParams` bounds every value so that no row can produce NaN, Inf or an
 integer overflow; what depends on the model (top_k above the vocabulary) is
 clamped here. If a batch still fails, `probe_rows` samples each row alone to
@@ -17,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from replicas.inverse_cdf import inverse_cdf_draw_no_sync
 from replicas.request import Request
 
 _NEG_INF = float("-inf")
@@ -31,6 +39,7 @@ row_fault_hook: Callable[[Request], None] | None = None
 class SamplingBatch:
     num_rows: int
     all_greedy: bool
+    any_greedy: bool
     temperatures: torch.Tensor | None  # (B,) with 1.0 on greedy rows
     greedy_rows: torch.Tensor | None  # (B,) bool
     top_k: torch.Tensor | None  # (B,) int64, vocab size where unused
@@ -103,7 +112,8 @@ def build_sampling_batch(rows: list[Request], vocab_size: int, device: torch.dev
         num_outputs = torch.tensor([len(r.output_token_ids) for r in rows], device=device)
         min_tokens = torch.tensor([p.min_tokens for p in params], device=device)
     max_lp = max((p.logprobs if p.logprobs is not None else -1 for p in params), default=-1)
-    return SamplingBatch(B, all_greedy, temps, greedy, top_k, top_p, min_p, seeded, counts,
+    any_greedy = any(p.is_greedy for p in params)
+    return SamplingBatch(B, all_greedy, any_greedy, temps, greedy, top_k, top_p, min_p, seeded, counts,
                          prompt_mask, presence, frequency, repetition, stop_mask, num_outputs,
                          min_tokens, max_lp)
 
@@ -152,6 +162,20 @@ def sampling_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return probs
 
 
+def _draw_no_sync(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """One token per row of (B, V) probabilities, without a host sync."""
+    if probs.device.type == "cuda":
+        # exponential race: argmax(p / q), q ~ Exp(1), samples from p
+        q = torch.empty_like(probs).exponential_()
+        for row, gen in sb.seeded_rows:
+            q[row].exponential_(generator=gen)
+        return (probs / q).argmax(dim=-1)
+    uniforms = torch.rand(sb.num_rows, dtype=torch.float64, device=probs.device)
+    for row, gen in sb.seeded_rows:
+        uniforms[row] = torch.rand((), dtype=torch.float64, generator=gen, device=probs.device)
+    return inverse_cdf_draw_no_sync(probs, uniforms)
+
+
 def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, V) float32 logits -> (sampled ids (B,) int64, packed (B, K) for the host).
 
@@ -163,14 +187,10 @@ def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tenso
     if sb.all_greedy:
         sampled = logits.argmax(dim=-1)
     else:
-        greedy_ids = logits.argmax(dim=-1)
         probs = sampling_probs(logits, sb)
-        # exponential race: argmax(p / q), q ~ Exp(1), samples from p without a sync
-        q = torch.empty_like(probs).exponential_()
-        for row, gen in sb.seeded_rows:
-            q[row].exponential_(generator=gen)
-        sampled = (probs / q).argmax(dim=-1)
-        sampled = torch.where(sb.greedy_rows, greedy_ids, sampled)
+        sampled = _draw_no_sync(probs, sb)
+        if sb.any_greedy:
+            sampled = torch.where(sb.greedy_rows, logits.argmax(dim=-1), sampled)
     if sb.output_counts is not None:
         sb.output_counts.scatter_add_(1, sampled.unsqueeze(1),
                                       torch.ones_like(sampled, dtype=torch.float32).unsqueeze(1))

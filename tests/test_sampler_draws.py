@@ -1,0 +1,153 @@
+"""Sampling at a temperature draws from the right distribution: the inverse-CDF draw
+against its distribution (chi-square over many draws on small vocabularies), tokens
+outside top-k / top-p / min-p or of zero probability never drawn, and seeded rows
+reproducible whatever batch they run in. Sampler only: no model."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from replicas.config import SamplingParams
+from replicas.inverse_cdf import BLOCK, inverse_cdf_draw_no_sync
+from replicas.request import Request
+from replicas.sampler import build_sampling_batch, sample_no_sync, sampling_probs
+
+CPU = torch.device("cpu")
+# Wilson-Hilferty: the chi-square quantile for `dof` degrees of freedom at the
+# normal quantile z (z = 4.27: a false alarm once in 100,000 runs; the draws are
+# seeded, so each run is the same anyway).
+_Z = 4.27
+
+
+def _chi_square_limit(dof: int) -> float:
+    return dof * (1 - 2 / (9 * dof) + _Z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the cells with positive probability, and its dof.
+    `probs` may be unnormalised (min_p masks without renormalising)."""
+    n = counts.sum().item()
+    keep = probs > 0
+    expected = probs[keep].double() / probs.double().sum() * n
+    observed = counts[keep].double()
+    return float(((observed - expected) ** 2 / expected).sum()), int(keep.sum()) - 1
+
+
+def _draw_counts(weights: torch.Tensor, num_draws: int, seed: int) -> torch.Tensor:
+    """Counts per index of `num_draws` draws from one (V,) row, made in batches."""
+    torch.manual_seed(seed)
+    counts = torch.zeros(weights.shape[0], dtype=torch.int64)
+    batch = 4096
+    rows = weights.unsqueeze(0).expand(batch, -1).contiguous()
+    for _ in range(num_draws // batch):
+        ids = inverse_cdf_draw_no_sync(rows, torch.rand(batch, dtype=torch.float64))
+        counts += torch.bincount(ids, minlength=weights.shape[0])
+    return counts
+
+
+@pytest.mark.parametrize("vocab", [7, BLOCK, 300, 3 * BLOCK])  # one block, padded, several
+def test_inverse_cdf_draws_match_the_distribution(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    weights = torch.rand(vocab, generator=g) ** 3  # unnormalised, uneven
+    weights[::5] = 0.0  # masked tokens
+    counts = _draw_counts(weights, 4096 * 60, seed=1)
+    probs = weights / weights.sum()
+    stat, dof = _chi_square(counts, probs)
+    assert stat < _chi_square_limit(dof), (stat, dof)
+    assert counts[weights == 0].sum() == 0
+
+
+def test_a_biased_draw_fails_the_same_check():
+    """The check has teeth: an off-by-one draw (the next index) is caught."""
+    g = torch.Generator().manual_seed(0)
+    weights = torch.rand(64, generator=g)
+    counts = _draw_counts(weights, 4096 * 30, seed=2)
+    shifted = torch.roll(counts, 1)
+    stat, dof = _chi_square(shifted, weights / weights.sum())
+    assert stat > _chi_square_limit(dof)
+
+
+def test_extreme_uniforms_never_reach_zero_weight_tokens():
+    weights = torch.zeros(4, 3 * BLOCK)
+    weights[0, 5] = 1.0  # one token alone
+    weights[1, [BLOCK - 1, BLOCK]] = 1e-30  # across a block edge, tiny
+    weights[2, 2 * BLOCK:] = 1.0  # the whole last block
+    weights[3, 0] = 1.0
+    weights[3, -1] = 1e-40  # denormal in float32, last index
+    below_one = 1.0 - 2.0 ** -53
+    for u in (0.0, 1e-300, 0.5, below_one):
+        ids = inverse_cdf_draw_no_sync(weights, torch.full((4,), u, dtype=torch.float64))
+        for row, i in enumerate(ids.tolist()):
+            assert weights[row, i] > 0, (u, row, i)
+
+
+def _request(i: int, params: SamplingParams) -> Request:
+    return Request(f"r{i}", [3, 4, 5, 6], params, None, frozenset({1}), 10**6)
+
+
+def _sampled_counts(params: SamplingParams, logits: torch.Tensor, num_draws: int) -> torch.Tensor:
+    rows = [_request(i, params) for i in range(2048)]
+    sb = build_sampling_batch(rows, logits.shape[0], CPU)
+    batch = logits.unsqueeze(0).expand(len(rows), -1).contiguous()
+    counts = torch.zeros(logits.shape[0], dtype=torch.int64)
+    torch.manual_seed(3)
+    for _ in range(num_draws // len(rows)):
+        sampled, _ = sample_no_sync(batch.clone(), sb)
+        counts += torch.bincount(sampled, minlength=logits.shape[0])
+    return counts, sb
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_k": 20},
+    {"temperature": 1.3, "top_p": 0.8},
+    {"temperature": 1.0, "min_p": 0.05},
+])
+def test_sampled_frequencies_follow_the_adjusted_distribution(kwargs):
+    vocab = 200
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(11)) * 2.0
+    counts, sb = _sampled_counts(SamplingParams(**kwargs), logits, 2048 * 60)
+    probs = sampling_probs(logits.unsqueeze(0).expand(sb.num_rows, -1), sb)[0]
+    stat, dof = _chi_square(counts, probs)
+    assert stat < _chi_square_limit(dof), (stat, dof)
+    # the support is respected: nothing outside top-k / top-p / min-p
+    assert counts[probs == 0].sum() == 0
+    if "top_k" in kwargs:
+        assert int((counts > 0).sum()) <= kwargs["top_k"]
+
+
+def _seeded_tokens(batch_size: int, seed: int, num_steps: int = 12) -> list[int]:
+    """Row 0 (seeded) among `batch_size - 1` other rows, some seeded, some not."""
+    vocab = 1000
+    target = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
+    others = [SamplingParams(temperature=0.8, seed=i if i % 2 else None) for i in range(batch_size - 1)]
+    rows = [_request(0, target)] + [_request(i + 1, p) for i, p in enumerate(others)]
+    sb = build_sampling_batch(rows, vocab, CPU)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(num_steps, vocab, generator=g)
+    tokens = []
+    for step in range(num_steps):
+        torch.manual_seed(100 + batch_size)  # unseeded rows differ with the batch
+        step_logits = torch.randn(batch_size, vocab) * 3
+        step_logits[0] = logits[step]
+        sampled, _ = sample_no_sync(step_logits, sb)
+        tokens.append(int(sampled[0]))
+    return tokens
+
+
+def test_a_seeded_row_draws_the_same_tokens_in_any_batch():
+    alone = _seeded_tokens(1, seed=1234)
+    assert _seeded_tokens(5, seed=1234) == alone
+    assert _seeded_tokens(33, seed=1234) == alone
+    assert _seeded_tokens(5, seed=99) != alone
+
+
+def test_greedy_rows_stay_exact_beside_sampled_rows():
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(2)) * 4
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 3
+    rows = [_request(i, p) for i, p in enumerate(params)]
+    sampled, _ = sample_no_sync(logits.clone(), build_sampling_batch(rows, vocab, CPU))
+    assert sampled[0::2].tolist() == logits[0::2].argmax(dim=-1).tolist()
