@@ -1,12 +1,14 @@
 """Resolves `dtype: auto` at start-up to what this device runs natively.
 
-`auto` takes the checkpoint's own dtype (`torch_dtype`, or `dtype` as transformers
-5 writes it), except that a bfloat16 or float16 checkpoint on a CPU without
-native instructions for it runs in float32: emulated half precision is several
-times slower than float32 on such CPUs. On CUDA, a bfloat16 checkpoint runs as
-float16 on GPUs without bfloat16 (before compute capability 8.0). An explicit
-half-precision dtype on such a CPU is honoured, with a warning. The choice and its
-reason are logged.
+On a CPU `auto` runs float32, whatever the checkpoint's dtype: the engine's fast
+CPU path (the paged decode attention kernel and the oneDNN-packed linear layers)
+is float32 only, and half precision goes through the plain torch path instead,
+which is slower even on CPUs with native bfloat16 instructions (docs/performance.md)
+and several times slower where half precision is emulated. On CUDA `auto` takes
+the checkpoint's own dtype (`torch_dtype`, or `dtype` as transformers 5 writes it),
+as float16 for a bfloat16 checkpoint on GPUs without bfloat16 (before compute
+capability 8.0). An explicit half-precision dtype on a CPU is honoured, with a
+warning. The choice and its reason are logged.
 """
 from __future__ import annotations
 
@@ -69,15 +71,22 @@ def resolve_dtype(requested: str, device: str, model_dir: str,
                            "several times slower than float32; dtype auto would pick float32",
                            dtype, dtype)
             why += " (emulated on this CPU)"
+        elif on_cpu and dtype in HALF_DTYPES:
+            logger.warning("dtype %s on a CPU skips the float32 attention kernel and packed "
+                           "linear layers, and runs slower than float32; dtype auto would pick "
+                           "float32", dtype)
+            why += " (slower than float32 on CPU)"
+    elif on_cpu:
+        ckpt = checkpoint_dtype(model_dir) or "unnamed"
+        dtype, why = "float32", (f"auto: the checkpoint is {ckpt}; on CPU the attention kernel "
+                                 "and packed linear layers run float32")
     else:
         ckpt = checkpoint_dtype(model_dir)
         if ckpt is None:
             dtype, why = "float32", "auto: the checkpoint names no dtype"
-        elif on_cpu and not cpu_runs_natively(ckpt, flags):
-            dtype, why = "float32", f"auto: the checkpoint is {ckpt}, which this CPU has no native instructions for"
-        elif not on_cpu and ckpt == "bfloat16" and not (_cuda_has_bf16() if cuda_bf16 is None else cuda_bf16):
+        elif ckpt == "bfloat16" and not (_cuda_has_bf16() if cuda_bf16 is None else cuda_bf16):
             dtype, why = "float16", "auto: the checkpoint is bfloat16, which this GPU does not support"
         else:
-            dtype, why = ckpt, f"auto: the checkpoint's dtype{' runs natively on this CPU' if on_cpu else ''}"
+            dtype, why = ckpt, "auto: the checkpoint's dtype"
     logger.info("dtype: %s (%s; device=%s)", dtype, why, device)
     return dtype, why

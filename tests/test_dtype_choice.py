@@ -1,4 +1,5 @@
-"""dtype auto: the checkpoint's dtype where the CPU runs it natively, float32 otherwise."""
+"""dtype auto: float32 on CPU (the fast CPU path is float32 only), the checkpoint's
+dtype on CUDA (float16 for bfloat16 on GPUs without it)."""
 import json
 import logging
 
@@ -17,7 +18,7 @@ def _checkpoint(tmp_path, dtype):
 
 @pytest.mark.parametrize("ckpt,flags,expected", [
     ("bfloat16", NO_BF16, "float32"),
-    ("bfloat16", NATIVE_BF16, "bfloat16"),
+    ("bfloat16", NATIVE_BF16, "float32"),  # native bf16 still misses the float32 kernels
     ("float16", NATIVE_BF16, "float32"),  # bf16 instructions do not make fp16 native
     ("float32", NATIVE_BF16, "float32"),
     (None, NATIVE_BF16, "float32"),
@@ -44,6 +45,13 @@ def test_explicit_bfloat16_on_a_cpu_without_it_is_kept_with_a_warning(tmp_path, 
         dtype, why = resolve_dtype("bfloat16", "cpu", _checkpoint(tmp_path, "float32"), NO_BF16)
     assert dtype == "bfloat16" and "emulated" in why
     assert "several times slower than float32" in caplog.text
+
+
+def test_explicit_bfloat16_on_a_cpu_with_it_is_kept_with_a_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="stepstream"):
+        dtype, why = resolve_dtype("bfloat16", "cpu", _checkpoint(tmp_path, "bfloat16"), NATIVE_BF16)
+    assert dtype == "bfloat16" and "slower than float32" in why
+    assert "dtype auto would pick float32" in caplog.text
 
 
 def test_the_engine_logs_and_runs_the_resolved_dtype(caplog):
