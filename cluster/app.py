@@ -111,7 +111,12 @@ class AppArgs(EngineArgs):
         return self.served_model_name or self.model
 
     def engine_config_dict(self) -> dict:
-        return engine_config_dict(self, self.engine_num_gpus)
+        values = engine_config_dict(self, self.engine_num_gpus)
+        if values["num_threads"] is None and values["device"] == "cpu":
+            # NOTE: torch's threads follow the replica's CPU allotment (at least one),
+            # whatever OMP_NUM_THREADS the node's environment holds.
+            values["num_threads"] = max(1, int(self.engine_num_cpus))
+        return values
 
     def engine_config(self):
         from replicas.config import EngineConfig

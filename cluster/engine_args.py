@@ -26,7 +26,7 @@ DEVICE_DEFAULT = None  # None: "cuda" when engine_num_gpus > 0, else "cpu"
 # Launcher help where the name alone does not say enough.
 _HELP = {
     "model": "preset name (tiny, small) or a local HF directory",
-    "num_threads": "torch threads per engine replica",
+    "num_threads": "torch threads per engine replica (default: --engine-num-cpus on CPU)",
     "device": "default: cuda when the engine replica has a GPU, else cpu",
     "enforce_eager": "--enforce-eager: no CUDA graphs for decode",
 }

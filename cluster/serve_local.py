@@ -28,13 +28,12 @@ import time
 import urllib.error
 import urllib.request
 
+from cluster import process_reaper
 from cluster.access import API_KEY_ENV, check_access
 from cluster.engine_args import add_engine_flags, engine_flag_values
+from cluster.front_door import FRONT_DOORS, front_door_env, resolve_front_door
 
 APP_NAME = "stepstream"
-# Serve's HAProxy front door: HAProxy takes the HTTP port and forwards straight to
-# the ingress replicas (each on its own port), skipping Serve's Python proxy.
-FAST_FRONT_DOOR_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,9 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve without an API key on a non-loopback --host")
     p.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray")
-    p.add_argument("--fast-front-door", action="store_true",
-                   help="Ray Serve's HAProxy front door instead of its Python HTTP proxy "
-                        "(plain HTTP; ingress replicas listen on their own ports)")
+    p.add_argument("--front-door", choices=FRONT_DOORS, default=None,
+                   help="haproxy (the default where Ray ships it: Ray Serve's HAProxy front "
+                        "door, plain HTTP) or serve-proxy (Serve's Python HTTP proxy)")
+    # NOTE: kept so that older command lines still run; HAProxy is the default now.
+    p.add_argument("--fast-front-door", dest="front_door", action="store_const",
+                   const="haproxy", help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true", help="show Ray workers' logs here")
     return p.parse_args(argv)
 
@@ -140,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     args, host, port = app_args(ns)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if ns.fast_front_door:
-        # NOTE: before Ray starts: Serve reads these once, in every process.
-        os.environ.update(FAST_FRONT_DOOR_ENV)
+    front_door, why = resolve_front_door(ns.front_door)
+    # NOTE: before Ray starts: Serve reads these once, in every process.
+    os.environ.update(front_door_env(front_door, local=True))
     import ray
     from ray import serve
 
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                                   int(num_engines * app_cfg.engine_num_cpus + 1))
     stop = threading.Event()
     _stop_on_signals(stop)
+    # Ends Ray's processes (workers, agents, HAProxy) if this process dies uncleanly.
+    reaper = process_reaper.start()
     # NOTE: address="local": always a Ray of its own, even when `ray start` left one
     # running (connecting to it would refuse num_cpus).
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
@@ -170,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     _stop_on_signals(stop)
     try:
         base = f"http://{host}:{port}"
+        print(f"Front door: {front_door} ({why})", flush=True)
         if not stop.is_set():
             serve.start(http_options={"host": host, "port": port})
             serve.run(make_app(app_cfg), name=APP_NAME, route_prefix="/", blocking=False)

@@ -28,6 +28,7 @@ from tqdm.asyncio import tqdm
 from loadtests import datasets
 from loadtests.client import RequestRecord, RequestSpec, failed_record, send_request
 from loadtests.metrics import format_result_block, summarize
+from loadtests.process_cpu import ProcessCpu, format_cpu_block, per_token_us
 from loadtests.openai_stream import COMPLETIONS, CHAT_COMPLETIONS, join_url
 
 
@@ -58,6 +59,10 @@ class BenchConfig:
     suffix_len: int = 64
     num_prefixes: int = 1
     ignore_eos: bool = False
+    temperature: float | None = None  # None: not sent, so the server's default (1.0)
+    # The pid of the server's root process (a local app's launcher): the result then
+    # holds the CPU time per output token of each of its processes' roles.
+    server_pid: int | None = None
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -198,28 +203,34 @@ async def run_benchmark(args_or_config) -> dict:
     requests = load_requests(cfg, tokenizer)
     spec = RequestSpec(api_url=cfg.api_url, endpoint=cfg.endpoint, model=cfg.model,
                        stream=not cfg.disable_stream, ignore_eos=cfg.ignore_eos,
-                       timeout_s=cfg.timeout, headers=_headers(cfg))
+                       temperature=cfg.temperature, timeout_s=cfg.timeout, headers=_headers(cfg))
     connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, read_bufsize=2**20, trust_env=False) as session:
         if cfg.ready_check_timeout_sec > 0:
             await _initial_test(session, spec, requests[0], cfg.ready_check_timeout_sec)
+        cpu = ProcessCpu(cfg.server_pid).start() if cfg.server_pid else None
         records, start, duration = await _run_all(session, spec, cfg, requests)
+        cpu_seconds = cpu.take() if cpu is not None else {}
     for rec in records:
         rec.resolve_output_tokens(tokenizer)
     summary = summarize([r.timeline for r in records], duration, cfg.percentiles)
+    cpu_us = per_token_us(cpu_seconds, summary.total_output_tokens)
     result = {
         "date": datetime.now().isoformat(timespec="seconds"), "api_url": cfg.api_url,
         "endpoint": cfg.endpoint, "model_id": cfg.model, "tokenizer_id": cfg.tokenizer,
         "dataset_name": cfg.dataset_name, "num_prompts": cfg.num_prompts,
         "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
         "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency,
-        "stream": spec.stream, "ignore_eos": cfg.ignore_eos,
+        "stream": spec.stream, "ignore_eos": cfg.ignore_eos, "temperature": cfg.temperature,
         **summary.to_dict(),
+        "cpu_seconds_by_role": cpu_seconds, "cpu_us_per_output_token": cpu_us,
         "errors": sorted({r.timeline.error for r in records if r.timeline.error}),
         "requests": [r.to_json(start) for r in records],
     }
     if cfg.print_result:
         print(format_result_block(summary), flush=True)
+        if cpu_us:
+            print(format_cpu_block(cpu_us), flush=True)
     _write_outputs(cfg, result)
     return result
 
@@ -265,6 +276,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prefixes", type=int, default=d.num_prefixes,
                    help="prefix dataset: distinct shared prefixes, used round robin")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sent with every request; default: none sent (the server's default, "
+                        "1.0 in the OpenAI API); 0 is greedy")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="the server's root process (e.g. `pgrep -f cluster.serve_local`): report "
+                        "CPU us per output token by process role (front door, ingress, engine, "
+                        "ray, client), read from /proc; same machine only")
     p.add_argument("--request-rate", type=float, default=d.request_rate, help="req/s; inf sends all at once")
     p.add_argument("--burstiness", type=float, default=d.burstiness)
     p.add_argument("--max-concurrency", type=int, default=None)

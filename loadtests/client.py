@@ -20,6 +20,7 @@ class RequestSpec:
     model: str
     stream: bool = True
     ignore_eos: bool = False
+    temperature: float | None = None  # None: not sent (the server's default, 1.0)
     timeout_s: float = 300.0
     headers: dict = field(default_factory=dict)
 
@@ -82,7 +83,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, parser: StreamParser) -> No
 async def send_request(session: aiohttp.ClientSession, spec: RequestSpec,
                        index: int, request: SampleRequest) -> RequestRecord:
     payload = build_payload(spec.endpoint, spec.model, request.prompt, request.expected_output_len,
-                            stream=spec.stream, ignore_eos=spec.ignore_eos)
+                            stream=spec.stream, ignore_eos=spec.ignore_eos,
+                            temperature=spec.temperature)
     parser = StreamParser()
     timeline = RequestTimeline(send_time=time.perf_counter(), prompt_len=request.prompt_len)
     record = RequestRecord(index, request, timeline)

@@ -40,13 +40,14 @@ class LocalServer:
     def __init__(self, server_args: list[str], *, module: str = "cluster.serve_local",
                  model: str = "tiny", host: str = "127.0.0.1", port: int | None = None,
                  log_path: str | Path | None = None, startup_timeout_s: float = 600.0,
-                 stop_timeout_s: float = 30.0):
+                 stop_timeout_s: float = 30.0, env: dict[str, str] | None = None):
         self.host, self.port = host, port or free_port(host)
         self.command = [sys.executable, "-m", module, "--model", model, "--host", host,
                         "--port", str(self.port), *server_args]
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        self.env = {**os.environ, **env} if env else None  # None: this process's
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -63,7 +64,8 @@ class LocalServer:
             self._log_file = open(self.log_path, "wb")
         out = self._log_file or subprocess.DEVNULL
         self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        env=self.env)
         _LIVE.add(self)
         try:
             self._wait_healthy()

@@ -27,9 +27,12 @@ def join_url(base_url: str, endpoint: str) -> str:
 
 def build_payload(endpoint: str, model: str, prompt: str, max_tokens: int, *,
                   stream: bool = True, ignore_eos: bool = False,
-                  temperature: float = 0.0) -> dict:
-    payload: dict = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
-                     "stream": stream}
+                  temperature: float | None = None) -> dict:
+    """`temperature` None sends none: the server's default (1.0 in the OpenAI API),
+    what most clients send, and vLLM's benchmark client too."""
+    payload: dict = {"model": model, "max_tokens": max_tokens, "stream": stream}
+    if temperature is not None:
+        payload["temperature"] = temperature
     if is_chat(endpoint):
         payload["messages"] = [{"role": "user", "content": prompt}]
     else:

@@ -115,3 +115,27 @@ def test_our_request_timeout_is_the_only_one_on_a_stream(name):
     args = AppArgs.model_validate(raw["applications"][0]["args"])
     assert args.request_timeout_s is not None
     assert args.graceful_shutdown_timeout_s >= args.request_timeout_s
+
+
+def _exported(command: str) -> dict[str, str]:
+    """`export A=1 B=2` (the line a cluster YAML appends to ~/.bashrc) -> {A: 1, B: 2}."""
+    line = command.split("echo '", 1)[1].split("'", 1)[0]
+    assert line.startswith("export "), command
+    return dict(word.split("=", 1) for word in line.split()[1:])
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_cluster_configs_run_the_haproxy_front_door_on_every_node(name):
+    from cluster.front_door import HAPROXY_ENV
+
+    exported = {}
+    for command in _load(name)["initialization_commands"]:
+        exported.update(_exported(command))
+    assert {k: exported.get(k) for k in HAPROXY_ENV} == HAPROXY_ENV
+
+
+def test_local_config_drains_like_the_launcher():
+    from cluster.front_door import LOCAL_DRAIN_ENV
+
+    env = _load("serve.yaml")["applications"][0]["runtime_env"]["env_vars"]
+    assert env == LOCAL_DRAIN_ENV

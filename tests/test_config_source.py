@@ -42,8 +42,9 @@ def test_engine_fields_are_app_args_fields_with_the_same_defaults():
             assert default is None
         else:
             assert default == f.default, f.name
-    # The defaults of a Serve config are EngineConfig's defaults, device included.
-    assert AppArgs.model_validate({}).engine_config() == EngineConfig()
+    # The defaults of a Serve config are EngineConfig's defaults, device included;
+    # the torch threads follow engine_num_cpus (1 by default) on CPU.
+    assert AppArgs.model_validate({}).engine_config() == EngineConfig(num_threads=1)
 
 
 @pytest.mark.parametrize("f", FIELDS, ids=lambda f: f.name)
@@ -74,6 +75,20 @@ def test_device_follows_the_gpus_unless_set():
     assert AppArgs.model_validate({"engine_num_gpus": 1}).engine_config().device == "cuda"
     assert AppArgs.model_validate({"engine_num_gpus": 1, "device": "cpu"}).engine_config() \
         .device == "cpu"
+
+
+@pytest.mark.parametrize("args, threads", [
+    ({}, 1),
+    ({"engine_num_cpus": 2}, 2),
+    ({"engine_num_cpus": 2.5}, 2),  # never more threads than cores allotted
+    ({"engine_num_cpus": 0.5}, 1),
+    ({"engine_num_cpus": 4, "num_threads": 3}, 3),  # num_threads overrides
+    ({"engine_num_cpus": 4, "engine_num_gpus": 1}, None),  # GPU: torch's own default
+])
+def test_torch_threads_follow_the_replicas_cpu_allotment(args, threads):
+    from cluster.app import AppArgs
+
+    assert AppArgs.model_validate(args).engine_config().num_threads == threads
 
 
 def test_engine_ranges_are_enforced_by_the_serve_config():

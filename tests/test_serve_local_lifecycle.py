@@ -1,17 +1,22 @@
 """`python -m cluster.serve_local` (what `make serve` runs) stopped with SIGTERM
-shuts Serve, then Ray, down and exits 0, leaving no process of its group behind.
-(Ray installs its own SIGTERM handler, which exits 15 without a clean shutdown;
-the launcher takes the signal back after `ray.init`.)"""
+shuts Serve, then Ray, down and exits 0; killed with SIGKILL, its watchdog
+(`cluster/process_reaper.py`) ends what it started. Either way no process it
+started stays behind: not its group, and not Ray's workers, agents or HAProxy,
+which run in sessions of their own. (Ray installs its own SIGTERM handler, which
+exits 15 without a clean shutdown; the launcher takes the signal back after
+`ray.init`.)"""
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from cluster.process_reaper import alive, descendants
 from cluster_support import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -25,30 +30,79 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def test_sigterm_shuts_serve_then_ray_down_and_exits_0(tmp_path):
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _start(tmp_path, port: int) -> tuple[subprocess.Popen, object]:
     log = tmp_path / "serve_local.log"
     env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_API_KEY"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.serve_local", "--port", str(free_port()),
+            [sys.executable, "-m", "cluster.serve_local", "--port", str(port),
              "--num-cpus", "2", "--max-num-seqs", "4", "--num-kv-blocks", "64",
              "--max-model-len", "256"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, env=env)
+    deadline = time.monotonic() + 240
+    while b"Serving at" not in log.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    return proc, log
+
+
+def _wait_gone(started: dict[int, int], timeout_s: float) -> dict[int, int]:
+    deadline = time.monotonic() + timeout_s
+    while alive(started) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive(started)
+
+
+def _names(pids) -> list[str]:
+    names = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                names.append(f.read().replace(b"\0", b" ").decode()[:80])
+        except OSError:
+            pass
+    return names
+
+
+def test_sigterm_shuts_serve_then_ray_down_and_exits_0(tmp_path):
+    proc, log = _start(tmp_path, free_port())
     try:
-        deadline = time.monotonic() + 240
-        while b"Serving at" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        started = descendants(proc.pid)
+        assert any("EngineReplica" in n for n in _names(started)), _names(started)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, log.read_text()[-3000:]
         text = log.read_text()
         assert text.index("Shutting down") < text.index("Stopped")
         assert "No API key" in text  # no key: loopback only, with a warning
-        deadline = time.monotonic() + 30
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        assert "Front door: haproxy" in text  # the default on Linux
+        left = _wait_gone(started, 30)
+        assert not left, f"left after SIGTERM: {_names(left)}"
         assert not _group_alive(proc.pid), "Ray's processes outlived the launcher"
     finally:
         if proc.poll() is None or _group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watchdog reads /proc")
+def test_sigkill_of_the_launcher_leaves_nothing_behind(tmp_path):
+    port = free_port()
+    proc, log = _start(tmp_path, port)
+    started = descendants(proc.pid)
+    try:
+        assert any("haproxy" in n for n in _names(started)), _names(started)
+        reaper = [p for p, n in zip(started, _names(started)) if "process_reaper" in n]
+        proc.kill()  # SIGKILL: no clean-up of its own
+        proc.wait(10)
+        left = _wait_gone(started, 45)
+        assert not left, f"left after SIGKILL: {_names(left)}"
+        assert not _port_open(port), "the HTTP port is still taken"
+        assert reaper and not alive({p: started[p] for p in reaper})  # the watchdog ended too
+    finally:
+        for pid in alive(started):
+            os.kill(pid, signal.SIGKILL)

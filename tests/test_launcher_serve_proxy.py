@@ -1,7 +1,8 @@
-"""The local launcher's `--fast-front-door` (Serve's HAProxy front door instead of
-its Python proxy) serves the same OpenAI API: streams end with `[DONE]` and carry
-the same text as a non-streaming answer, concurrent streams all complete, and the
-launcher shuts down cleanly."""
+"""The local launcher's fallback front door, `--front-door serve-proxy` (Serve's
+Python proxy instead of HAProxy, the default), serves the same OpenAI API: streams
+end with `[DONE]` and carry the same text as a non-streaming answer, concurrent
+streams all complete, and the launcher shuts down cleanly. (The HAProxy default
+runs in the launcher's lifecycle tests and the docs' commands.)"""
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,8 @@ async def _stream(client: httpx.AsyncClient, url: str) -> tuple[str, bool]:
     return "".join(text), done
 
 
-def test_fast_front_door_serves_streams_like_the_default_proxy(tmp_path):
-    flags = ["--fast-front-door", "--num-cpus", "3", "--max-num-seqs", "16",
+def test_serve_proxy_front_door_serves_streams(tmp_path):
+    flags = ["--front-door", "serve-proxy", "--num-cpus", "3", "--max-num-seqs", "16",
              "--num-kv-blocks", "512", "--max-model-len", "512"]
     with LocalServer(flags, log_path=tmp_path / "server.log", stop_timeout_s=60) as srv:
         url = srv.base_url + "/v1/completions"
@@ -44,4 +45,6 @@ def test_fast_front_door_serves_streams_like_the_default_proxy(tmp_path):
         results = asyncio.run(run())
         assert all(done and text == whole for text, done in results), results
         process = srv.process
-    assert process.returncode == 0, (tmp_path / "server.log").read_text()[-2000:]
+    log = (tmp_path / "server.log").read_text()
+    assert process.returncode == 0, log[-2000:]
+    assert "Front door: serve-proxy (requested)" in log

