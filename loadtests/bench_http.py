@@ -44,8 +44,10 @@ def _temperature_sent(t: float) -> float | None:
 
 
 def _served(srv: LocalServer, model: str, n: int, input_len: int, output_len: int,
-            concurrency: int | None, temperature: float) -> dict:
-    cfg = BenchConfig(base_url=srv.base_url, model=model, dataset_name="random",
+            concurrency: int | None, temperature: float, seed: int) -> dict:
+    """NOTE: each run on one server takes prompts of its own `seed`: the same prompts
+    again would hit the prefix cache and skip their prefill."""
+    cfg = BenchConfig(base_url=srv.base_url, model=model, dataset_name="random", seed=seed,
                       num_prompts=n, random_input_len=input_len, random_output_len=output_len,
                       ignore_eos=True, disable_tqdm=True, max_concurrency=concurrency,
                       tokenizer="replicas/assets", temperature=_temperature_sent(temperature),
@@ -92,10 +94,11 @@ def run_round(args, variants: list[tuple[str, list[str]]], log: str) -> dict[str
         rows[f"offline, t={t:g}"] = _offline(m, n, n, il, ol, t)
     for name, flags, env in variants:
         with LocalServer(["--model", m] + flags, log_path=log, env=env) as srv:
-            for t in args.temperatures:
-                rows[f"http {name}, t={t:g}"] = _served(srv, m, n, il, ol, None, t)
+            for i, t in enumerate(args.temperatures):
+                rows[f"http {name}, t={t:g}"] = _served(srv, m, n, il, ol, None, t, seed=i)
             if name == variants[0][0]:
-                rows[f"http {name}, c=1"] = _served(srv, m, 10, il, ol, 1, 1.0)
+                rows[f"http {name}, c=1"] = _served(srv, m, 10, il, ol, 1, 1.0,
+                                                    seed=len(args.temperatures))
     rows["offline, c=1"] = _offline(m, 10, 1, il, ol, 1.0)
     return rows
 
