@@ -1,26 +1,43 @@
-"""Who may reach the API when no key is set.
+"""Who may reach the API.
+
+The key is resolved once, where the app is built (`AppArgs.api_key_digest`): the
+config's `api_key_sha256`, else the SHA-256 of its `api_key`, else of the env var
+STEPSTREAM_API_KEY in the process that builds the app. Every ingress replica gets
+that digest as an argument and never reads its own node's environment, so an
+ingress on a node without the variable is not open.
 
 Without an API key every route is open to whoever can reach the server's
 address. So with no key the server serves on a loopback address only; on any
 other address it refuses to start unless `allow_unauthenticated: true` says
-so explicitly. It logs a warning either way.
+so explicitly. It logs a warning either way. The rule runs where the app is
+built (`serve_local` knows the host from its flags; `AppArgs` asks a running
+Serve controller) and again in every ingress replica's constructor against the
+HTTP host the running Serve actually binds, so no way of starting the app skips it.
 
-The address is Serve's HTTP proxy's: `serve_local` knows it from its flags;
-`build_app` (through `AppArgs`) asks the running Serve controller, and checks
-nothing when there is none (a build without a deploy, unit tests).
+In no-key loopback mode a web page the local user opens must not reach the API:
+a request whose `Host` header is not a loopback name or address is refused
+(DNS rebinding), and POST bodies must be `application/json` (a page can send
+`text/plain` without a CORS preflight; JSON needs one), with a key too.
 """
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 
 API_KEY_ENV = "STEPSTREAM_API_KEY"
+JSON_MEDIA_TYPE = "application/json"
 
 
-def has_api_key(api_key: str | None, api_key_sha256: str | None) -> bool:
-    """A key is configured, or set in this process's environment (where the
-    ingress reads it too)."""
-    return bool(api_key or api_key_sha256 or os.environ.get(API_KEY_ENV))
+def key_sha256_hex(api_key: str | None, api_key_sha256: str | None) -> str | None:
+    """The key's SHA-256 (hex), from the config or this process's environment;
+    None when no key is set anywhere here."""
+    if api_key_sha256:
+        return api_key_sha256.lower()
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    if not api_key:
+        return None
+    return hashlib.sha256(api_key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def is_loopback(host: str) -> bool:
@@ -48,6 +65,24 @@ def check_access(host: str | None, has_key: bool, allow_unauthenticated: bool) -
             "allow_unauthenticated: true")
     return (f"No API key and serving on {host}: every route is open to anyone who can "
             "reach it (allow_unauthenticated: true).")
+
+
+def is_loopback_host_header(value: str | None) -> bool:
+    """A `Host` header naming this machine's loopback (`localhost`, 127.x.y.z,
+    `[::1]`), with or without a port. Anything else, or none, is not."""
+    if not value:
+        return False
+    host = value.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        host = host[1:host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host == "localhost" or host.endswith(".localhost") or is_loopback(host)
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """`application/json`, with or without parameters (`; charset=utf-8`)."""
+    return bool(value) and value.split(";", 1)[0].strip().lower() == JSON_MEDIA_TYPE
 
 
 def serve_http_host() -> str | None:

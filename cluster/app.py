@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
@@ -83,11 +83,16 @@ class AppArgs(EngineArgs):
     # (cluster/access.py); checked against the running Serve's HTTP host.
     allow_unauthenticated: bool = False
 
+    # The key's SHA-256, resolved once, when these args are validated (where the app
+    # is built): from the config, else from this process's environment.
+    _key_sha256: str | None = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _check_access(self) -> "AppArgs":
-        from cluster.access import check_access, has_api_key, serve_http_host
+        from cluster.access import check_access, key_sha256_hex, serve_http_host
 
-        warning = check_access(serve_http_host(), has_api_key(self.api_key, self.api_key_sha256),
+        self._key_sha256 = key_sha256_hex(self.api_key, self.api_key_sha256)
+        warning = check_access(serve_http_host(), self._key_sha256 is not None,
                                self.allow_unauthenticated)
         if warning:
             logging.getLogger("ray.serve").warning(warning)
@@ -109,6 +114,12 @@ class AppArgs(EngineArgs):
     @property
     def name_served(self) -> str:
         return self.served_model_name or self.model
+
+    def api_key_digest(self) -> str | None:
+        """The key's SHA-256 (hex), resolved when these args were validated, where
+        the app is built: every ingress replica gets it, whatever its own node's
+        environment holds."""
+        return self._key_sha256
 
     def engine_config_dict(self) -> dict:
         values = engine_config_dict(self, self.engine_num_gpus)
@@ -175,5 +186,6 @@ def make_app(args: AppArgs, engine_factory: Callable | None = None) -> Applicati
         enable_fault_injection=args.enable_fault_injection, engine_factory=engine_factory)
     return Ingress.options(**args.ingress_options()).bind(
         engine, served_model_name=args.name_served, model=args.model,
-        api_key=args.api_key, api_key_sha256=args.api_key_sha256,
+        api_key_sha256=args.api_key_digest(),
+        allow_unauthenticated=args.allow_unauthenticated,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s)

@@ -15,7 +15,6 @@ import contextvars
 import hashlib
 import hmac
 import logging
-import os
 import time
 import uuid
 
@@ -26,6 +25,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, StreamingResponse
 
+from cluster.access import (check_access, is_json_content_type, is_loopback,
+                            is_loopback_host_header, serve_http_host)
 from cluster.errors import ApiError, bad_request
 from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                      validation_error_message)
@@ -83,13 +84,38 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
-def _key_digest(api_key: str | None, api_key_sha256: str | None) -> bytes | None:
-    """The expected digest: from the key (argument, else env STEPSTREAM_API_KEY), or
-    its SHA-256 given as hex. None: no key, every route is open."""
+def _access_mode(api_key_sha256: str | None, allow_unauthenticated: bool) -> tuple[bytes | None, bool]:
+    """(the expected key digest, whether only loopback Host headers may be served).
+
+    NOTE: the digest comes from where the app was built (cluster/access.py), never
+    from this replica's environment. Without one, the no-key rule is checked here
+    against the host the running Serve binds: raises ValueError (the replica does
+    not start) on a non-loopback host without allow_unauthenticated."""
     if api_key_sha256:
-        return bytes.fromhex(api_key_sha256)
-    api_key = api_key or os.environ.get("STEPSTREAM_API_KEY") or None
-    return _digest(api_key) if api_key else None
+        return bytes.fromhex(api_key_sha256), False
+    host = serve_http_host()
+    warning = check_access(host, has_key=False, allow_unauthenticated=allow_unauthenticated)
+    logger.warning(warning or "No API key")
+    # NOTE: an unknown host counts as loopback: the Host check then fails closed.
+    return None, host is None or is_loopback(host)
+
+
+def _forbidden_host(request: Request) -> ApiError | None:
+    """No-key loopback mode: a request for a name other than loopback's is a web
+    page's (DNS rebinding), never a local client's."""
+    if not getattr(request.app.state, "loopback_hosts_only", False):
+        return None
+    if is_loopback_host_header(request.headers.get("host")):
+        return None
+    return ApiError(403, "Host not allowed: without an API key this server answers "
+                    "requests for localhost / 127.0.0.1 / [::1] only", code="host_not_allowed")
+
+
+def _unsupported_media_type(request: Request) -> ApiError | None:
+    if is_json_content_type(request.headers.get("content-type")):
+        return None
+    return ApiError(415, "Unsupported media type: send the body as "
+                    "'Content-Type: application/json'", code="unsupported_media_type")
 
 
 def _is_authorized(request: Request) -> bool:
@@ -145,10 +171,14 @@ def _check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len
 
 
 def _prompt_chars(req, chat: bool) -> int:
-    """Characters the prompt holds (0 for token ids): a bound on its tokens."""
+    """Characters the prompt holds at least (0 for token ids): a bound on its tokens.
+    A chat prompt counts each message's role, content and template framing, so
+    that many empty messages count too."""
     if chat:
-        return sum(len(m.get("content") or "") if isinstance(m.get("content"), str)
-                   else len(str(m.get("content"))) for m in req.template_messages())
+        # NOTE: the fewest characters a chat template adds around a message besides
+        # its role (ChatML adds 24, Llama 3 about 45, Mistral's [INST] 15 a turn).
+        min_framing_chars = 2
+        return sum(len(m.role) + len(m.text()) + min_framing_chars for m in req.messages)
     return len(req.prompt) if isinstance(req.prompt, str) else 0
 
 
@@ -234,8 +264,8 @@ class _HealthCache:
 @serve.ingress(app)
 class Ingress:
     def __init__(self, engine, served_model_name: str, model: str,
-                 api_key: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key_sha256: str | None = None,
+                 api_key_sha256: str | None = None, allow_unauthenticated: bool = False,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  request_timeout_s: float | None = None) -> None:
         from deltas.tokenization.tokenizer import Tokenizer
         from replicas.presets import resolve_tokenizer_dir
@@ -254,7 +284,8 @@ class Ingress:
         self._request_timeout_s = request_timeout_s
         self._model_info: dict | None = None
         self._created = int(time.time())
-        app.state.api_key_digest = _key_digest(api_key, api_key_sha256)
+        app.state.api_key_digest, app.state.loopback_hosts_only = _access_mode(
+            api_key_sha256, allow_unauthenticated)
         self._metrics = None
         try:
             from cluster.metrics import IngressMetrics
@@ -306,6 +337,9 @@ class Ingress:
 
     async def _generate(self, request: Request, chat: bool):
         self._authorize(request)
+        unsupported = _unsupported_media_type(request)
+        if unsupported is not None:
+            raise unsupported
         body = await self._read_body(request)
         req = _parse(ChatCompletionRequest if chat else CompletionRequest, body)
         if req.model != self._served_model_name:
@@ -349,10 +383,11 @@ class Ingress:
         max_chars = max_model_len * self._max_token_chars * 4
         num_chars = _prompt_chars(req, chat)
         if num_chars > max_chars:
+            what = (f"The {len(req.messages)} messages make at least {num_chars} characters "
+                    "with the chat template" if chat else f"The prompt has {num_chars} characters")
             raise bad_request(
-                f"The prompt has {num_chars} characters, more than this model's maximum "
-                f"context length of {max_model_len} tokens can hold (at most {max_chars} "
-                "characters). Please shorten the prompt.",
+                f"{what}, more than this model's maximum context length of {max_model_len} "
+                f"tokens can hold (at most {max_chars} characters). Please shorten the prompt.",
                 "messages" if chat else "prompt", "context_length_exceeded")
 
     def _prompt_ids(self, req, chat: bool, vocab_size: int) -> list[int]:
@@ -396,6 +431,9 @@ class Ingress:
     def _authorize(self, request: Request) -> None:
         if not _is_authorized(request):
             raise _unauthorized()
+        forbidden = _forbidden_host(request)
+        if forbidden is not None:
+            raise forbidden
 
     def _count(self, route: str, status: int) -> None:
         if self._metrics is not None:

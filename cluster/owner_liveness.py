@@ -32,3 +32,40 @@ async def find_dead_owners(handles: dict[str, Any], timeout_s: float) -> list[st
     owners = list(handles)
     dead = await asyncio.gather(*(_is_dead(handles[o], timeout_s) for o in owners))
     return [owner for owner, is_dead in zip(owners, dead) if is_dead]
+
+
+# The ingress deployment's name (cluster/ingress.py): only its replicas own channels.
+INGRESS_DEPLOYMENT = "Ingress"
+
+
+def ingress_actor_name(owner: str, app_name: str) -> str | None:
+    """The Serve actor name of the ingress replica an owner id names
+    (`<replica unique id>-<suffix>`, cluster/ingress.py), or None if it names none."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    unique_id, sep, suffix = owner.rpartition("-")
+    if not sep or not unique_id or not suffix:
+        return None
+    return ReplicaID(unique_id, DeploymentID(INGRESS_DEPLOYMENT, app_name)).to_full_id_str()
+
+
+def is_live_ingress_replica(owner: str, owner_handle: Any, app_name: str) -> bool:
+    """Whether `owner_handle` is the live ingress replica of this app that `owner`
+    names. Blocking (asks the GCS): call it off the event loop.
+
+    NOTE: a caller that holds a handle to the engine deployment could otherwise
+    open a channel under another ingress's owner id and take that ingress's deltas.
+    Anyone who can call replicas at all passed Ray's token auth (RELIABILITY.md); this
+    keeps even such a caller from reading another ingress's streams."""
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    name = ingress_actor_name(owner, app_name)
+    actor_id = getattr(owner_handle, "_actor_id", None)
+    if name is None or actor_id is None:
+        return False
+    try:
+        actor = ray.get_actor(name, namespace=SERVE_NAMESPACE)
+    except ValueError:  # no live actor of that name
+        return False
+    return actor._actor_id == actor_id

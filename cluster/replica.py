@@ -36,7 +36,7 @@ from ray import serve
 from cluster.errors import ReplicaOverloaded, ReplicaRejected, ReplicaUnavailable
 from cluster.faults import FaultInjector, fault_injection_enabled
 from cluster.outbox import OutboxRegistry, OutboxSink, StepOutbox
-from cluster.owner_liveness import find_dead_owners
+from cluster.owner_liveness import find_dead_owners, is_live_ingress_replica
 from cluster.wire import EngineRequest
 
 logger = logging.getLogger("ray.serve")
@@ -71,6 +71,9 @@ class EngineReplica:
         self._model = config.model
         self._counts = dict.fromkeys(_COUNTS, 0)
         self._replica_id = _replica_id()
+        self._app_name = _app_name()
+        # NOTE: an owner id is unique to one ingress replica's life, so one check each.
+        self._verified_owners: dict[str, Any] = {}  # owner id -> its ingress's actor id
         self._metrics = None
         self._stop_stats = threading.Event()
         try:
@@ -135,7 +138,9 @@ class EngineReplica:
         """Stream step messages for ingress `owner`: first `[]` (the greeting),
         then one list of encoded deltas per engine step with news for it.
         `owner_handle` (the ingress's Ray actor) lets this replica notice its death;
-        `pin_replica_id` is read by the router, not here."""
+        `pin_replica_id` is read by the router, not here. Under Serve, an owner that
+        is not a live ingress replica of this app is refused (PermissionError)."""
+        await self._check_owner(owner, owner_handle)
         self._start_sweeper()
         outbox = self._outboxes.get(owner)
         if owner_handle is not None:
@@ -167,6 +172,20 @@ class EngineReplica:
         finally:
             if outbox.channel_epoch == epoch:
                 outbox.detached_since = time.monotonic()
+
+    async def _check_owner(self, owner: str, owner_handle: Any) -> None:
+        if self._app_name is None:  # not under Serve (unit tests): no other ingress
+            return
+        actor_id = getattr(owner_handle, "_actor_id", None)
+        if actor_id is None or self._verified_owners.get(owner) != actor_id:
+            ok = await asyncio.to_thread(is_live_ingress_replica, owner, owner_handle,
+                                         self._app_name)
+            if not ok:
+                logger.warning("refused a channel for %r: not a live ingress replica of app "
+                               "%r", owner, self._app_name)
+                raise PermissionError(f"channel refused: {owner!r} is not a live ingress "
+                                      f"replica of app {self._app_name!r}")
+            self._verified_owners[owner] = actor_id
 
     # ---- orphaned requests -------------------------------------------------------
 
@@ -269,6 +288,13 @@ class EngineReplica:
                 self._metrics.record_stats(self.stats())
             except Exception:  # never let a metrics hiccup kill the thread
                 logger.debug("replica stats failed", exc_info=True)
+
+
+def _app_name() -> str | None:
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:  # not inside a Serve replica
+        return None
 
 
 def _replica_id() -> str:

@@ -163,3 +163,69 @@ def test_health_is_cached_and_shared_by_concurrent_hits():
         answers = await asyncio.gather(*(dead_cache.error(dead) for _ in range(50)))
         assert answers == ["RuntimeError"] * 50 and dead.calls == 1
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("host, ok", [
+    ("localhost", True), ("localhost:8000", True), ("LOCALHOST:8000", True),
+    ("127.0.0.1", True), ("127.0.0.1:8000", True), ("127.3.2.1:80", True),
+    ("[::1]", True), ("[::1]:8000", True), ("::1", True), ("app.localhost:8000", True),
+    ("evil.example", False), ("evil.example:8000", False), ("10.0.0.5:8000", False),
+    ("0.0.0.0:8000", False), ("localhost.evil.example", False), ("", False), (None, False),
+    ("[::1", False), ("127.0.0.1.evil.example:8000", False),
+])
+def test_host_headers_of_loopback_only(host, ok):
+    assert access.is_loopback_host_header(host) is ok
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("application/json", True), ("application/json; charset=utf-8", True),
+    ("Application/JSON", True), ("text/plain", False), ("application/x-www-form-urlencoded", False),
+    ("multipart/form-data; boundary=x", False), ("", False), (None, False),
+    ("application/jsonx", False),
+])
+def test_only_json_bodies(value, ok):
+    assert access.is_json_content_type(value) is ok
+
+
+def test_the_key_is_resolved_where_the_app_is_built(monkeypatch):
+    """The ingress gets the digest as an argument: its own node's environment never
+    decides whether it is open."""
+    from cluster.app import make_app
+
+    monkeypatch.setattr(access, "serve_http_host", lambda: None)
+    monkeypatch.setenv(access.API_KEY_ENV, "from-the-build-node")
+    digest = hashlib.sha256(b"from-the-build-node").hexdigest()
+    args = AppArgs()
+    assert args.api_key_digest() == digest
+    ingress_kwargs = make_app(args)._bound_deployment.init_kwargs
+    assert ingress_kwargs["api_key_sha256"] == digest and "api_key" not in ingress_kwargs
+    assert AppArgs(api_key="in-config").api_key_digest() == hashlib.sha256(b"in-config").hexdigest()
+    monkeypatch.delenv(access.API_KEY_ENV)
+    # resolved once, at validation: later changes to this environment do not matter
+    assert args.api_key_digest() == digest
+    assert make_app(args)._bound_deployment.init_kwargs["api_key_sha256"] == digest
+    assert AppArgs().api_key_digest() is None
+
+
+def test_an_ingress_never_reads_the_key_from_its_own_environment(monkeypatch):
+    from cluster import ingress
+
+    monkeypatch.setattr(ingress, "serve_http_host", lambda: "127.0.0.1")
+    monkeypatch.setenv(access.API_KEY_ENV, "only-on-this-node")
+    assert ingress._access_mode(None, allow_unauthenticated=False) == (None, True)
+
+
+def test_an_ingress_without_a_key_applies_the_no_key_rule_itself(monkeypatch):
+    """`serve run cluster.app:build_app` builds before Serve runs: the ingress checks
+    again, against the host the running Serve binds."""
+    from cluster import ingress
+
+    monkeypatch.setattr(ingress, "serve_http_host", lambda: "0.0.0.0")
+    with pytest.raises(ValueError, match="refusing to serve on 0.0.0.0"):
+        ingress._access_mode(None, allow_unauthenticated=False)
+    assert ingress._access_mode(None, allow_unauthenticated=True) == (None, False)
+    assert ingress._access_mode("ab" * 32, allow_unauthenticated=False) == (bytes.fromhex("ab" * 32), False)
+    monkeypatch.setattr(ingress, "serve_http_host", lambda: "127.0.0.1")
+    assert ingress._access_mode(None, allow_unauthenticated=False) == (None, True)
+    monkeypatch.setattr(ingress, "serve_http_host", lambda: None)  # unknown: fail closed
+    assert ingress._access_mode(None, allow_unauthenticated=False) == (None, True)

@@ -139,3 +139,11 @@ def test_local_config_drains_like_the_launcher():
 
     env = _load("serve.yaml")["applications"][0]["runtime_env"]["env_vars"]
     assert env == LOCAL_DRAIN_ENV
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_cluster_configs_bind_the_dashboard_to_loopback(name):
+    """The dashboard's REST API deploys code: reach it through `ray dashboard` (SSH)."""
+    (start,) = [c for c in _load(name)["head_start_ray_commands"] if "ray start --head" in c]
+    assert "--dashboard-host=127.0.0.1" in start
+    assert "0.0.0.0" not in yaml.safe_dump(_load(name))

@@ -362,6 +362,22 @@ def test_api_key_required_everywhere_but_health(server):
     assert httpx.post(server + "/v1/completions", json=body, headers=AUTH).status_code == 200
 
 
+def test_post_bodies_must_be_json_with_a_key_too(server):
+    """As the OpenAI API does: 415 for a body that is not application/json (after the
+    key check), whatever it holds; with a key any Host may be served."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2})
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {**AUTH, **({"content-type": content_type} if content_type else {})}
+        r = httpx.post(server + "/v1/completions", content=body, headers=headers)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    assert httpx.post(server + "/v1/completions", content=body, headers={"content-type": "text/plain"}
+                      ).status_code == 401
+    r = httpx.post(server + "/v1/completions", content=body,
+                   headers={**AUTH, "content-type": "application/json; charset=utf-8",
+                            "host": "api.example.com"})
+    assert r.status_code == 200, r.text
+
+
 def test_metrics_are_exported_for_prometheus(server):
     import ray
 
@@ -380,3 +396,11 @@ def test_metrics_are_exported_for_prometheus(server):
         return [name for name in wanted if name not in text]
 
     assert wait_until(lambda: not missing(), timeout_s=60, interval_s=2), missing()
+
+
+def test_serve_routes_outside_the_key_reveal_only_the_route_table(server):
+    """The front door answers these itself, before the app (RELIABILITY.md, 6)."""
+    routes = httpx.get(server + "/-/routes")
+    assert routes.status_code == 200 and routes.json() == {"/": "stepstream"}
+    health = httpx.get(server + "/-/healthz")
+    assert health.status_code == 200 and len(health.text) < 64

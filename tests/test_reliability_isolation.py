@@ -290,3 +290,25 @@ def test_fuzzed_valid_requests_never_5xx_and_normal_streams_complete(server, ref
     print(f"\n{sum(statuses.values())} fuzzed valid requests: statuses {statuses}; "
           f"{len(normal.results)} normal streams beside them, all complete and equal to the "
           f"offline text; same replica, /health 200 ({elapsed_s:.1f} s)")
+
+
+def test_without_a_key_a_web_page_cannot_reach_the_api(server):
+    """No-key loopback mode: a request for another host name (DNS rebinding) is
+    refused, and a POST body a page could send without a CORS preflight
+    (text/plain, a form) is not read."""
+    url = server + "/v1/completions"
+    body = json.dumps(_greedy(0, 2, stream=False))
+    port = server.rsplit(":", 1)[1]
+    for host in ("evil.example", f"evil.example:{port}", f"10.1.2.3:{port}"):
+        r = httpx.post(url, content=body, headers={"host": host, "content-type": "application/json"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", r.text
+        r = httpx.get(server + "/v1/models", headers={"host": host})
+        assert r.status_code == 403, r.text
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"content-type": content_type} if content_type else {}
+        r = httpx.post(url, content=body, headers=headers)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        r = httpx.post(url, content=body, headers={"host": host, "content-type": "application/json"})
+        assert r.status_code == 200, r.text
+    assert httpx.get(server + "/health", headers={"host": "evil.example"}).status_code == 200

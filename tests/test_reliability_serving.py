@@ -209,7 +209,8 @@ def test_body_over_the_limit_is_413_declared_or_streamed(server):
         for i in range(0, len(big), 4096):
             yield big[i:i + 4096]
     for content in (big, chunks()):  # with a Content-Length, and chunked without one
-        r = httpx.post(server + "/v1/completions", content=content, headers=AUTH, timeout=60)
+        r = httpx.post(server + "/v1/completions", content=content, timeout=60,
+                       headers={**AUTH, "content-type": "application/json"})
         assert r.status_code == 413 and is_openai_error(r.json()), r.text[:200]
 
 
@@ -264,9 +265,11 @@ def test_key_compared_as_sha256_digests_in_constant_time(monkeypatch):
     real = ingress.hmac.compare_digest
     monkeypatch.setattr(ingress.hmac, "compare_digest",
                         lambda a, b: calls.append((a, b)) or real(a, b))
-    digest = ingress._key_digest(API_KEY, None)
+    from cluster.access import key_sha256_hex
+
+    digest = bytes.fromhex(key_sha256_hex(API_KEY, None))
     assert digest == hashlib.sha256(API_KEY.encode()).digest()
-    assert ingress._key_digest(None, digest.hex()) == digest  # api_key_sha256: no key in configs
+    assert key_sha256_hex(None, digest.hex()) == digest.hex()  # api_key_sha256: no key in configs
     for token, ok in ((API_KEY, True), ("x", False), (API_KEY * 10, False)):
         request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(
             api_key_digest=digest)), headers={"authorization": f"Bearer {token}"})
