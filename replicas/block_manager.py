@@ -68,13 +68,16 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def can_allocate(self, num_tokens: int, cached_block_ids: Sequence[int] = ()) -> bool:
-        """Room for a new request's first `num_tokens` slots, above the watermark,
-        when it takes `cached_block_ids` (from find_cached_blocks) as its first blocks."""
+    def can_allocate(self, num_tokens: int, cached_block_ids: Sequence[int] = (),
+                     keep_watermark: bool = True) -> bool:
+        """Room for a new request's first `num_tokens` slots, above the watermark
+        unless `keep_watermark` is False, when it takes `cached_block_ids` (from
+        find_cached_blocks) as its first blocks."""
         # NOTE: an evictable hit leaves the free pool when taken; a held one costs nothing.
         need = (self.num_blocks_for(num_tokens) - len(cached_block_ids)
                 + sum(1 for b in cached_block_ids if self._ref_counts[b] == 0))
-        return self.num_free_blocks - need >= self.num_watermark_blocks
+        floor = self.num_watermark_blocks if keep_watermark else 0
+        return self.num_free_blocks - need >= floor
 
     def can_append(self, block_ids: list[int], num_tokens: int, num_lookahead: int = 0) -> bool:
         """Room to hold `num_tokens` + `num_lookahead` slots in this table."""

@@ -12,6 +12,7 @@ from deltas.types import OutputKind
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
+CPU_KV_CACHE_GIB = 1.0  # the KV cache on CPU when kv_cache_gib is None
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
@@ -153,9 +154,13 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length
     block_size: int = 16
-    # KV budget: a fixed number of blocks, or a size in GiB; the blocks win if both.
+    # KV budget (replicas/kv_budget.py): a fixed number of blocks wins. Else on CPU
+    # kv_cache_gib (None: CPU_KV_CACHE_GIB); on CUDA what gpu_memory_utilization of
+    # the device's memory leaves after the weights, the peak of a profiling forward
+    # and the sampler's headroom, at most kv_cache_gib when set (None: no cap).
     num_kv_blocks: int | None = None
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     num_scheduler_steps: int = 8
@@ -185,8 +190,10 @@ class EngineConfig:
                "block_size", "a power of two >= 1", self.block_size)
         _check(self.num_kv_blocks is None or (_is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1),
                "num_kv_blocks", "null or an integer >= 1", self.num_kv_blocks)
-        _check(_is_num(self.kv_cache_gib) and self.kv_cache_gib > 0,
-               "kv_cache_gib", "a number > 0", self.kv_cache_gib)
+        _check(self.kv_cache_gib is None or (_is_num(self.kv_cache_gib) and self.kv_cache_gib > 0),
+               "kv_cache_gib", "null or a number > 0", self.kv_cache_gib)
+        _check(_is_num(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
+               "gpu_memory_utilization", "a number in (0, 1]", self.gpu_memory_utilization)
         _check(_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 4096,
                "max_num_seqs", "an integer in [1, 4096]", self.max_num_seqs)
         _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 16,

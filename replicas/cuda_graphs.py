@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 import torch
 
 from replicas.attention.base import AttentionBackend, AttentionMetadata
+from replicas.kv_budget import blocks_per_sequence
 
 logger = logging.getLogger("stepstream")
 
@@ -267,7 +268,8 @@ def build_decode_graphs(config, model: torch.nn.Module, kv_caches: list, backend
         logger.info("decode CUDA graphs off: %s", reason)
         return None
     # NOTE: as wide as the longest table: max_model_len plus a window's lookahead.
-    max_blocks_per_seq = -(-(max_model_len + config.num_scheduler_steps) // config.block_size)
+    max_blocks_per_seq = blocks_per_sequence(max_model_len, config.num_scheduler_steps,
+                                             config.block_size)
     start = time.perf_counter()
     graphs = DecodeGraphRunner(model, kv_caches, backend, config.max_num_seqs, max_blocks_per_seq,
                                config.block_size, vocab_size, num_kv_heads, device)

@@ -19,7 +19,8 @@ import torch
 from replicas.attention.base import AttentionBackend, AttentionMetadata
 from replicas.config import EngineConfig
 from replicas.cuda_graphs import PendingHostCopy, build_decode_graphs, start_host_copy
-from replicas.kv_budget import num_kv_blocks
+from replicas.kv_budget import GIB, num_kv_blocks
+from replicas.memory_profile import allocate_kv_caches, profile_cuda_memory
 from replicas.models.loader import load_model
 from replicas.models.model_config import ModelConfig
 from replicas.models.packed_linear import pack_linears
@@ -69,15 +70,22 @@ class ModelRunner:
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 256))
         self.backend = _select_backend(config, self.device)
         logger.info("attention backend: %s", self.backend.name)
-        self.num_blocks = num_kv_blocks(config, self.model_config, max_model_len)
         mc = self.model_config
-        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        dtype = getattr(torch, config.dtype)
-        # NOTE: zeros, not empty: masked-out slots still meet the softmax weights,
-        # and 0 * NaN garbage would poison the output.
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device))
-                          for _ in range(mc.num_layers)]
+        # CUDA: the KV cache gets the memory left after the weights and the largest
+        # step (replicas/kv_budget.py); CPU: kv_cache_gib.
+        device_memory = None
+        if self.device.type == "cuda" and config.num_kv_blocks is None:
+            device_memory = profile_cuda_memory(self.model, self.backend, config, mc, self.device,
+                                                max_model_len)
+        self.num_blocks = num_kv_blocks(config, mc, max_model_len, device_memory)
+        self.kv_caches = allocate_kv_caches(self.num_blocks, self.block_size, mc,
+                                            getattr(torch, config.dtype), self.device)
+        if device_memory is not None:
+            logger.info("KV cache: %d blocks, %.2f GiB (gpu_memory_utilization %g of %.2f GiB, "
+                        "%.2f GiB used without it, kv_cache_gib cap %s)", self.num_blocks,
+                        sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / GIB,
+                        config.gpu_memory_utilization, device_memory.total_bytes / GIB,
+                        device_memory.peak_used_bytes / GIB, config.kv_cache_gib)
         # CUDA only: decode steps replay captured graphs (None elsewhere), and each
         # step's host copy overlaps the next step (see execute).
         self.decode_graphs = build_decode_graphs(config, self.model, self.kv_caches, self.backend,

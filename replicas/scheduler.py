@@ -148,7 +148,10 @@ class Scheduler:
             start = len(cached_block_ids) * bm.block_size
             chunk = min(req.num_tokens - start, token_budget)
             end = start + chunk
-            if not bm.can_allocate(end, cached_block_ids):
+            # NOTE: the watermark keeps room for running decodes to grow; with none
+            # running it would only hold back a prompt that fits (make_block_manager
+            # sizes the cache for one longest sequence), and the engine would spin.
+            if not bm.can_allocate(end, cached_block_ids, keep_watermark=bool(self.running)):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.num_waiting_prompt_tokens -= req.num_tokens

@@ -1,5 +1,9 @@
 """The CPU backend's paged decode kernel against the torch backend (the reference),
 and a whole engine run with it against one on plain torch."""
+import os
+import stat
+import subprocess
+
 import pytest
 import torch
 
@@ -117,3 +121,98 @@ def test_the_kernel_shares_torchs_openmp_runtime():
     from replicas.attention.native_kernels import openmp_runtimes
     runtimes = openmp_runtimes()
     assert len(runtimes) <= 1, runtimes  # loaded by the tests above: still one pool
+
+
+# -- only a private build is loaded --------------------------------------------------
+KERNEL = "paged_decode_attention"
+# Stands in for someone else's code in the cache: loading it leaves a marker file.
+PLANTED_C = """
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) fclose(f);
+}
+int paged_decode_attention(void) { return -1; }
+"""
+
+
+def _plant(tmp_path, monkeypatch, at=None):
+    """A cache under tmp_path whose kernel file (or `at`) is a planted library, owned by
+    us and mode 0o755: (the kernel's path in the cache, the marker loading writes)."""
+    from replicas.attention import native_kernels
+    monkeypatch.setenv("STEPSTREAM_CACHE", str(tmp_path / "cache"))
+    path = build(KERNEL)
+    marker = tmp_path / "planted-code-ran"
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED_C)
+    target = at or path
+    target.unlink(missing_ok=True)
+    subprocess.run([*native_kernels._compiler(), "-shared", "-fPIC", f'-DMARKER="{marker}"',
+                    str(source), "-o", str(target)], check=True)
+    os.chmod(target, 0o755)
+    return path, marker
+
+
+def _not_ours(monkeypatch, path, is_dir):
+    """os.fstat reports another owner for descriptors of `path` (we cannot chown)."""
+    real_fstat, wanted = os.fstat, os.path.realpath(path)
+
+    def fstat(fd):
+        st = real_fstat(fd)
+        if os.path.realpath(f"/proc/self/fd/{fd}") != wanted \
+                or stat.S_ISDIR(st.st_mode) != is_dir:
+            return st
+        fields = list(st[:10])
+        fields[4] = os.geteuid() + 1  # st_uid: neither us nor root
+        return os.stat_result(fields)
+    monkeypatch.setattr(os, "fstat", fstat)
+
+
+def _load_fresh():
+    from replicas.attention import native_kernels
+    return native_kernels._load(KERNEL)  # not the per-process cache
+
+
+def test_a_private_cached_build_is_loaded_as_is(tmp_path, monkeypatch):
+    # the control: the planted library is what a trusted cache entry would run
+    path, marker = _plant(tmp_path, monkeypatch)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700  # the cache dir we made
+    fn, why = _load_fresh()
+    assert why is None and fn is not None
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("how", ["world-writable", "group-writable", "not ours"])
+def test_a_cached_kernel_in_a_directory_others_can_write_is_not_loaded(tmp_path, monkeypatch,
+                                                                        caplog, how):
+    path, marker = _plant(tmp_path, monkeypatch)
+    if how == "not ours":
+        _not_ours(monkeypatch, path.parent, is_dir=True)
+    else:
+        os.chmod(path.parent, 0o777 if how == "world-writable" else 0o770)
+    with caplog.at_level("WARNING", logger="stepstream"):
+        fn, why = _load_fresh()
+    assert not marker.exists(), "the planted library was loaded"
+    assert why is None and fn is not None  # built in a private temporary directory
+    assert "kernel cache not used" in caplog.text and str(path.parent) in caplog.text
+
+
+@pytest.mark.parametrize("how", ["world-writable", "group-writable", "not ours", "a link"])
+def test_a_cached_kernel_file_others_could_have_written_is_built_again(tmp_path, monkeypatch,
+                                                                        caplog, how):
+    at = tmp_path / "elsewhere.so" if how == "a link" else None
+    path, marker = _plant(tmp_path, monkeypatch, at=at)
+    if how == "a link":
+        path.unlink()
+        path.symlink_to(at)
+    elif how == "not ours":
+        _not_ours(monkeypatch, path, is_dir=False)
+    else:
+        os.chmod(path, 0o777 if how == "world-writable" else 0o775)
+    with caplog.at_level("WARNING", logger="stepstream"):
+        fn, why = _load_fresh()
+    assert not marker.exists(), "the planted library was loaded"
+    assert why is None and fn is not None
+    assert f"cached {KERNEL} kernel not used" in caplog.text
+    rebuilt = os.lstat(path)
+    assert stat.S_ISREG(rebuilt.st_mode) and not rebuilt.st_mode & 0o022

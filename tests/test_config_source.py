@@ -22,7 +22,7 @@ def _other_value(f: dataclasses.Field):
     if isinstance(f.default, bool):
         return not f.default
     if isinstance(f.default, float):
-        return f.default * 2
+        return f.default / 2  # floats here are > 0, some at most 1 (fractions)
     if f.default is None or isinstance(f.default, int):
         return (f.default or 1) * 2  # ints here are powers of two or unbounded above
     raise AssertionError(f"add a non-default value for EngineConfig.{f.name} to _STRINGS")

@@ -193,3 +193,36 @@ def test_abort_frees_blocks_and_leaves_others_intact(reference):
                 assert out.token_ids == ref
         s = engine.stats()
         assert s["num_free_blocks"] == s["num_total_blocks"]
+
+
+@pytest.mark.parametrize("block_size, num_scheduler_steps, max_model_len", [
+    (4, 1, 402),  # the longest prompt (401 tokens) fills all 101 blocks
+    (16, 8, 1602),  # 1601 prompt tokens and the window's lookahead share 101 blocks
+])
+def test_the_longest_prompt_runs_on_the_smallest_kv_budget(block_size, num_scheduler_steps,
+                                                           max_model_len):
+    # A cache of exactly one longest sequence, whose 1% watermark (1 block) the
+    # longest prompt, in one chunk, would eat into: it must still be admitted,
+    # and the engine must never report work with no step to run (a busy loop).
+    from replicas.kv_budget import blocks_per_sequence
+    num_blocks = blocks_per_sequence(max_model_len, num_scheduler_steps, block_size)
+    assert num_blocks == 101
+    config = EngineConfig(model="tiny", block_size=block_size, num_scheduler_steps=num_scheduler_steps,
+                          max_model_len=max_model_len, num_kv_blocks=num_blocks,
+                          max_num_batched_tokens=2048)
+    with Engine(config) as engine:
+        assert engine.core.block_manager.num_watermark_blocks == 1
+        longest = engine.add_request([5] * (max_model_len - 1), GREEDY)
+        behind = engine.add_request([6, 7, 8], GREEDY)
+        for _ in range(100):  # bounded: a spinning engine fails here, not by hanging
+            if not engine.has_unfinished():
+                break
+            # NOTE: a step may run nothing only when it found the last outputs
+            # in flight: then nothing is left.
+            if not engine.step():
+                assert not engine.has_unfinished(), "work is queued but no step can run"
+        assert not engine.has_unfinished()
+        assert len(engine.output(longest).token_ids) == 1  # the context is full
+        assert len(engine.output(behind).token_ids) == 40
+        s = engine.stats()
+        assert s["num_free_blocks"] == s["num_total_blocks"]

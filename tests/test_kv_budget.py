@@ -1,8 +1,11 @@
-"""KV sizing: explicit blocks win, else the GiB budget, capped by what max_num_seqs can use."""
+"""KV sizing: explicit blocks win; on CPU the GiB budget; on CUDA the utilization's share of
+device memory less the measured peak and the sampler's headroom, kv_cache_gib a cap; never
+more than max_num_seqs sequences use."""
 import pytest
 
 from replicas.config import EngineConfig
-from replicas.kv_budget import blocks_per_sequence, make_block_manager, num_kv_blocks
+from replicas.kv_budget import (SAMPLER_BYTES_PER_LOGIT, DeviceMemory, blocks_per_sequence,
+                                make_block_manager, num_gpu_kv_blocks, num_kv_blocks)
 from replicas.models.model_config import ModelConfig
 
 MC = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
@@ -30,3 +33,50 @@ def test_no_more_blocks_than_max_num_seqs_sequences_use():
 def test_a_budget_below_one_sequence_fails_at_start_up():
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         make_block_manager(10, EngineConfig(dtype="float32"), 512)
+
+
+# -- CUDA: the budget from device memory ----------------------------------------------
+GIB = 2**30
+# one block of MC in float32 (above): 8 KiB; sampler headroom per row: 100 x 64 bytes
+BLOCK_BYTES = 8 * 1024
+
+
+def test_cpu_keeps_one_gib_by_default_and_kv_cache_gib_when_set():
+    default = EngineConfig(dtype="float32", max_num_seqs=4096)
+    assert default.kv_cache_gib is None
+    assert num_kv_blocks(default, MC, 512) == num_kv_blocks(
+        EngineConfig(dtype="float32", max_num_seqs=4096, kv_cache_gib=1.0), MC, 512) == GIB // BLOCK_BYTES
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.1, 1.01, float("nan"), True, "0.9"])
+def test_gpu_memory_utilization_is_a_fraction(value):
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in \\(0, 1\\]"):
+        EngineConfig(gpu_memory_utilization=value)
+    assert EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+def test_the_gpu_budget_is_the_utilizations_share_less_the_peak_and_the_headroom():
+    memory = DeviceMemory(total_bytes=10 * GIB, peak_used_bytes=3 * GIB)
+    # 0.9 x 10 GiB - 3 GiB - 1 GiB = 5 GiB
+    assert num_gpu_kv_blocks(memory, 0.9, BLOCK_BYTES, reserved_bytes=GIB) == 5 * GIB // BLOCK_BYTES
+    # kv_cache_gib caps it; a cap above what is free does not raise it
+    assert num_gpu_kv_blocks(memory, 0.9, BLOCK_BYTES, GIB, cap_bytes=2 * GIB) == 2 * GIB // BLOCK_BYTES
+    assert num_gpu_kv_blocks(memory, 0.9, BLOCK_BYTES, GIB, cap_bytes=40 * GIB) == 5 * GIB // BLOCK_BYTES
+
+
+def test_a_gpu_without_room_for_one_block_fails_naming_the_numbers():
+    memory = DeviceMemory(total_bytes=16 * GIB, peak_used_bytes=15 * GIB)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.9 of 16.00 GiB is 14.40 GiB.*"
+                                         r"peak at 15.00 GiB.*raise gpu_memory_utilization"):
+        num_gpu_kv_blocks(memory, 0.9, BLOCK_BYTES)
+
+
+def test_on_a_gpu_num_kv_blocks_leaves_the_sampler_its_headroom_and_caps_by_sequences():
+    memory = DeviceMemory(total_bytes=GIB, peak_used_bytes=GIB // 2)
+    config = EngineConfig(dtype="float32", max_num_seqs=4096, gpu_memory_utilization=1.0)
+    headroom = 4096 * MC.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    assert num_kv_blocks(config, MC, 512, memory) == (GIB // 2 - headroom) // BLOCK_BYTES
+    few = EngineConfig(dtype="float32", max_num_seqs=3, gpu_memory_utilization=1.0)
+    assert num_kv_blocks(few, MC, 512, memory) == 3 * blocks_per_sequence(512, 8, 16)
+    capped = EngineConfig(dtype="float32", max_num_seqs=4096, kv_cache_gib=1 / 1024)
+    assert num_kv_blocks(capped, MC, 512, memory) == 128

@@ -7,6 +7,13 @@ during each call, so the output thread runs meanwhile). Without a working
 compiler `load_paged_decode_attention()` returns None with the reason, and the
 backend selector stays on plain torch.
 
+Only a private build is loaded (replicas/attention/private_files.py): the cache
+directory and the file must be this user's alone, or anyone who can write to a
+shared STEPSTREAM_CACHE could run code in the engine. We create the directory
+with mode 0o700 and the file with 0o755. A cached file that is not private is
+built again over; in a cache directory that is not private the kernel is built
+in a private temporary directory instead (the reason logged).
+
 NOTE: `-ffast-math` is a compile flag only. Linking a shared library with it
 (gcc < 13) adds crtfastmath, which flushes denormals to zero for the whole
 process on load and would change torch's numerics. It is needed at compile time
@@ -30,6 +37,9 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+
+from replicas.attention.private_files import (UntrustedPath, check_private_dir, make_private_dir,
+                                              open_private_file, why_file_not_private)
 
 logger = logging.getLogger("stepstream")
 
@@ -74,10 +84,13 @@ def _compiler_version(cc: list[str]) -> str:
         return "unknown"
 
 
-def build(name: str) -> Path:
-    """Compile `csrc/<name>.c` (cached) and return the shared library's path.
+def build(name: str, cache_dir: Path | None = None) -> Path:
+    """Compile `csrc/<name>.c` (cached in `cache_dir`, default `kernel_cache_dir()`)
+    and return the shared library's path.
 
-    Raises RuntimeError with the compiler's message when it cannot be built.
+    Raises RuntimeError with the compiler's message when it cannot be built, and
+    UntrustedPath (a RuntimeError) when `cache_dir` is not private. A cached file
+    that is not private is built again over.
     """
     source = CSRC_DIR / f"{name}.c"
     cc = _compiler()
@@ -87,11 +100,16 @@ def build(name: str) -> Path:
         source.read_text(), " ".join(COMPILE_FLAGS + LINK_FLAGS + LINK_LIBS),
         _compiler_version(cc), _cpu_signature(), platform.machine(),
     ]).encode()).hexdigest()[:16]
-    out = kernel_cache_dir() / f"{name}-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    cache_dir = cache_dir or kernel_cache_dir()
+    make_private_dir(cache_dir)
+    check_private_dir(cache_dir)
+    out = cache_dir / f"{name}-{key}.so"
+    if os.path.lexists(out):
+        why = why_file_not_private(out)
+        if why is None:
+            return out
+        logger.warning("cached %s kernel not used (%s): building it again", name, why)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
         for cmd in ([*cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
                     [*cc, *LINK_FLAGS, str(obj), "-o", str(lib), *LINK_LIBS]):
@@ -101,6 +119,8 @@ def build(name: str) -> Path:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {error}") from error
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()[-2000:]}")
+        # NOTE: whatever the umask, never writable by others (it would not be loaded)
+        os.chmod(lib, 0o755)
         # NOTE: atomic, so replicas building at once never load a half-written file
         os.replace(lib, out)
     logger.info("built native kernel %s", out)
@@ -133,7 +153,7 @@ def _load(name: str):
     import torch  # noqa: F401 - loads torch's libgomp first, so the kernel shares it
     before = openmp_runtimes()
     try:
-        lib = ctypes.CDLL(str(build(name)))
+        lib = _load_private_build(name)
     except (RuntimeError, OSError) as error:
         return None, f"the {name} kernel could not be built or loaded: {error}"
     added = openmp_runtimes() - before
@@ -145,3 +165,33 @@ def _load(name: str):
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
     return fn, None
+
+
+def _load_private_build(name: str) -> ctypes.CDLL:
+    """The kernel from the cache where it is private, else built and loaded in a
+    private temporary directory (the reason logged). Raises RuntimeError or OSError."""
+    try:
+        return _load_private(build(name))
+    except UntrustedPath as error:
+        logger.warning("kernel cache not used: %s; building the %s kernel in a private "
+                       "temporary directory (make the cache directory yours and mode 700, "
+                       "or set STEPSTREAM_CACHE)", error, name)
+    with tempfile.TemporaryDirectory(prefix="stepstream-kernels-") as tmp:
+        return _load_private(build(name, Path(tmp)))
+
+
+def _load_private(path: Path) -> ctypes.CDLL:
+    """Load `path` once it and its directory are private: through the descriptor that
+    was checked, so a file swapped in after the check is never the one loaded."""
+    fd = open_private_file(path)
+    if not os.path.isdir("/proc/self/fd"):  # no /proc: by the path just checked
+        os.close(fd)
+        return ctypes.CDLL(str(path))
+    # NOTE: the descriptor stays open for the process's life: the dynamic loader
+    # matches later loads by name, and a reused fd number would hand back this
+    # library for another file.
+    try:
+        return ctypes.CDLL(f"/proc/self/fd/{fd}")
+    except OSError:
+        os.close(fd)
+        raise

@@ -141,3 +141,26 @@ def test_graph_replay_equals_eager_forward_through_a_window(model_dir):
             advance_decode_inputs_(inputs.input_ids, inputs.positions, m.decode_seq_lens,
                                    m.slot_mapping, eager_logits[step].argmax(-1),
                                    m.decode_block_tables, runner.block_size)
+
+
+def test_the_kv_cache_is_sized_from_device_memory(model_dir):
+    from replicas.kv_budget import GIB, bytes_per_block
+    from replicas.memory_profile import profile_cuda_memory
+    base = dict(model=model_dir, device="cuda", dtype="float32", attention_backend="torch",
+                max_model_len=512, max_num_seqs=16, enforce_eager=True)
+    with Engine(EngineConfig(**base)) as engine:
+        runner = engine.core.runner
+        # plenty of memory: as many blocks as max_num_seqs full sequences use
+        assert runner.num_blocks == 16 * -(-(512 + 8) // 16)
+        weights = sum(p.nbytes for p in runner.model.parameters())
+        memory = profile_cuda_memory(runner.model, runner.backend, runner.config,
+                                     runner.model_config, runner.device, 512)
+        assert memory.total_bytes == torch.cuda.mem_get_info()[1]
+        assert weights < memory.peak_used_bytes < memory.total_bytes
+        block_bytes = bytes_per_block(runner.config, runner.model_config)
+    # kv_cache_gib caps what free memory allows
+    with Engine(EngineConfig(**base, kv_cache_gib=1 / 1024)) as engine:
+        assert engine.core.runner.num_blocks == GIB // 1024 // block_bytes
+    # a utilization below what the CUDA context and weights take: refused at start
+    with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
+        Engine(EngineConfig(**base, gpu_memory_utilization=0.001))
