@@ -20,6 +20,7 @@ from deltas.sink import DeltaSink
 from deltas.types import FinishReason, OutputKind, TokenDelta
 from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_core import EngineCore
+from replicas.request import Request
 
 logger = logging.getLogger("stepstream")
 
@@ -42,6 +43,14 @@ class AsyncEngine:
         self.core = EngineCore(config)
         self.stall_timeout_s = stall_timeout_s
         self._commands: deque[tuple[str, object]] = deque()
+        # Adds queued for the engine thread and not withdrawn by an abort: the
+        # admission bounds count them as waiting (the published snapshot cannot see
+        # them yet); queued aborts count as nothing. NOTE: the engine thread moves an
+        # add into the scheduler and republishes the snapshot under the lock, so a
+        # reader never counts a request twice or not at all.
+        self._queue_lock = threading.Lock()
+        self._queued_adds: dict[str, Request] = {}
+        self._num_queued_prompt_tokens = 0
         self._wakeup = threading.Event()
         self._is_stopping = False
         self._error: str | None = None
@@ -82,6 +91,9 @@ class AsyncEngine:
         self._check_overload(len(prompt_token_ids) if isinstance(prompt_token_ids, list) else 0)
         req = self.core.make_request(request_id, prompt_token_ids, params, sink)
         self._active[request_id] = sink
+        with self._queue_lock:
+            self._queued_adds[request_id] = req
+            self._num_queued_prompt_tokens += req.num_prompt_tokens
         self._send("add", req)
 
     def release(self, request_id: str) -> None:
@@ -123,7 +135,20 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe and idempotent; the request ends within one engine step."""
-        self._send("abort", request_id)
+        with self._queue_lock:
+            is_withdrawn = self._unqueue(request_id)
+        if not is_withdrawn:  # a withdrawn add ends when the engine thread meets it
+            self._send("abort", request_id)
+
+    def _unqueue(self, request_id: str, req: Request | None = None) -> bool:
+        """Lock held: stop counting the queued add of `request_id` (only if it is
+        `req`, when given); False if there is none."""
+        queued = self._queued_adds.get(request_id)
+        if queued is None or (req is not None and queued is not req):
+            return False
+        del self._queued_adds[request_id]
+        self._num_queued_prompt_tokens -= queued.num_prompt_tokens
+        return True
 
     def _send(self, command: str, arg: object) -> None:
         self._commands.append((command, arg))
@@ -133,13 +158,16 @@ class AsyncEngine:
         cfg = self.config
         # NOTE: the engine thread's published snapshot, not its live queues (see
         # replicas/engine_stats.py); queued adds are counted on top of it.
-        load = self.core.published_stats
-        num_waiting = load.num_waiting + len(self._commands)
+        with self._queue_lock:
+            load = self.core.published_stats
+            num_waiting = load.num_waiting + len(self._queued_adds)
+            num_waiting_tokens = load.num_waiting_prompt_tokens + self._num_queued_prompt_tokens
         if cfg.max_waiting_requests is not None and num_waiting >= cfg.max_waiting_requests:
             raise EngineOverloaded(f"{num_waiting} requests are waiting (limit "
                                    f"{cfg.max_waiting_requests})", self._retry_after_s())
-        num_waiting_tokens = load.num_waiting_prompt_tokens
-        if (cfg.max_waiting_prompt_tokens is not None and load.num_waiting
+        # NOTE: a prompt above the token bound is admitted when nothing waits (else
+        # it never would be).
+        if (cfg.max_waiting_prompt_tokens is not None and num_waiting_tokens
                 and num_waiting_tokens + num_prompt_tokens > cfg.max_waiting_prompt_tokens):
             raise EngineOverloaded(f"{num_waiting_tokens} prompt tokens are waiting "
                                    f"(limit {cfg.max_waiting_prompt_tokens})", self._retry_after_s())
@@ -173,10 +201,16 @@ class AsyncEngine:
         core = self.core
         while self._commands:
             command, arg = self._commands.popleft()
-            if command == "add":
-                core.add_request(arg)
-            else:
+            if command != "add":
                 core.abort_request(arg)
+                continue
+            with self._queue_lock:
+                if self._unqueue(arg.request_id, arg):
+                    core.add_request(arg)
+                    continue
+            # aborted while queued: it never waits in the scheduler
+            arg.sink.put(TokenDelta(arg.request_id, [], finish_reason=FinishReason.ABORT,
+                                    num_prompt_tokens=arg.num_prompt_tokens, num_output_tokens=0))
 
     def _fail_everything(self) -> None:
         try:

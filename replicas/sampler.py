@@ -16,6 +16,13 @@ on the batch it runs in.
 integer overflow; what depends on the model (top_k above the vocabulary) is
 clamped here. If a batch still fails, `probe_rows` samples each row alone to
 find the request at fault (the engine core then fails only that request).
+
+Memory: the expensive paths (penalties, the sort of top-k/top-p, logprobs) work
+on chunks of at most `MAX_CHUNK_ELEMENTS` logits (whole rows) at a time, so their
+temporaries do not grow with batch x vocabulary. When a batch still cannot get
+memory, `SamplingOutOfMemory` says so: a request fault (replicas/step_isolation.py
+retries the step in halves and fails only the rows that cannot sample alone),
+not an engine fault.
 """
 from __future__ import annotations
 
@@ -29,10 +36,31 @@ from replicas.request import Request
 
 _NEG_INF = float("-inf")
 
+# The most logits (rows x vocabulary) one chunk of the expensive paths works on:
+# 16 MiB per float32 temporary. A batch within it is one chunk (no extra copy).
+MAX_CHUNK_ELEMENTS = 1 << 22
+
 # Test-only: called with every row of every batch built; raising there is a
 # request whose sampling fails inside the batched step (cluster/faults.py installs
 # it). None in production: one check per batch.
 row_fault_hook: Callable[[Request], None] | None = None
+
+
+class SamplingOutOfMemory(Exception):
+    """A batch could not get memory to sample: the rows' fault, not the engine's."""
+
+
+def _out_of_memory(error: BaseException, what: str, num_rows: int) -> SamplingOutOfMemory:
+    # NOTE: the cause's text stays out of the message: "CUDA out of memory" there
+    # would read as a device error (step_isolation.is_engine_fault).
+    return SamplingOutOfMemory(f"{what} for {num_rows} rows ran out of memory "
+                               f"({type(error).__name__})")
+
+
+def _row_chunks(num_rows: int, vocab_size: int) -> list[slice]:
+    rows_per_chunk = max(1, MAX_CHUNK_ELEMENTS // max(1, vocab_size))
+    return [slice(start, min(start + rows_per_chunk, num_rows))
+            for start in range(0, num_rows, rows_per_chunk)]
 
 
 @dataclass(slots=True)
@@ -64,6 +92,14 @@ class SamplingBatch:
 
 
 def build_sampling_batch(rows: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+    try:
+        return _build_sampling_batch(rows, vocab_size, device)
+    except (MemoryError, torch.OutOfMemoryError) as e:  # its (B, V) penalty and stop masks
+        raise _out_of_memory(e, "the sampling batch", len(rows)) from e
+
+
+def _build_sampling_batch(rows: list[Request], vocab_size: int,
+                          device: torch.device) -> SamplingBatch:
     if row_fault_hook is not None:
         for r in rows:
             row_fault_hook(r)
@@ -119,24 +155,48 @@ def build_sampling_batch(rows: list[Request], vocab_size: int, device: torch.dev
 
 
 def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    seen = (sb.output_counts > 0) | sb.prompt_mask
-    rep = sb.repetition.expand_as(logits)
+    chunks = _row_chunks(*logits.shape)
+    if len(chunks) == 1:
+        return _penalized(logits, sb, slice(None))
+    out = torch.empty_like(logits)  # NOTE: the raw logits stay intact for logprobs
+    for rows in chunks:
+        out[rows] = _penalized(logits[rows], sb, rows)
+    return out
+
+
+def _penalized(logits: torch.Tensor, sb: SamplingBatch, rows: slice) -> torch.Tensor:
+    """(R, V) logits of `rows` of the batch, with their penalties applied."""
+    counts = sb.output_counts[rows]
+    seen = (counts > 0) | sb.prompt_mask[rows]
+    rep = sb.repetition[rows].expand_as(logits)
     logits = torch.where(seen & (logits > 0), logits / rep, logits)
     logits = torch.where(seen & (logits <= 0), logits * rep, logits)
-    logits = logits - sb.frequency * sb.output_counts
-    return logits - sb.presence * (sb.output_counts > 0).float()
+    logits = logits - sb.frequency[rows] * counts
+    return logits - sb.presence[rows] * (counts > 0).float()
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Tokens outside each row's top-k / top-p set to -inf; in place on `logits`
+    (the caller's own temporary) when the batch takes several chunks."""
+    chunks = _row_chunks(*logits.shape)
+    if len(chunks) == 1:
+        return _top_k_top_p(logits, sb, slice(None))
+    for rows in chunks:
+        logits[rows] = _top_k_top_p(logits[rows], sb, rows)
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, sb: SamplingBatch, rows: slice) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if sb.top_k is not None:
         ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= sb.top_k.unsqueeze(1), _NEG_INF)
+        sorted_logits = sorted_logits.masked_fill(ranks >= sb.top_k[rows].unsqueeze(1), _NEG_INF)
     if sb.top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         # NOTE: the top token always stays (its mass_before is 0).
-        sorted_logits = sorted_logits.masked_fill(mass_before >= sb.top_p.unsqueeze(1), _NEG_INF)
+        sorted_logits = sorted_logits.masked_fill(mass_before >= sb.top_p[rows].unsqueeze(1),
+                                                  _NEG_INF)
     return torch.full_like(logits, _NEG_INF).scatter_(-1, order, sorted_logits)
 
 
@@ -181,7 +241,23 @@ def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tenso
 
     packed is the ids alone, or with logprobs [id, logprob, top ids..., top logprobs...]
     as float32 (ids are exact in float32 below 2**24): one tensor, one host copy.
+    Raises SamplingOutOfMemory when the batch cannot get memory.
     """
+    # NOTE: logprobs come after the draw: a failure there must not leave seeded
+    # generators one draw ahead of the retry. Penalties and top-k/top-p fail before
+    # the draw; only the draw's own temporaries come after a seeded row's numbers
+    # (its retry then draws anew: a valid sample, not the undisturbed run's).
+    states = ([(gen, gen.get_state()) for _, gen in sb.seeded_rows]
+              if sb.seeded_rows and sb.needs_logprobs else None)
+    try:
+        return _sample_no_sync(logits, sb)
+    except (MemoryError, torch.OutOfMemoryError) as e:
+        for gen, state in states or ():
+            gen.set_state(state)
+        raise _out_of_memory(e, "sampling", sb.num_rows) from e
+
+
+def _sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     raw_logits = logits
     logits = adjusted_logits(logits, sb)
     if sb.all_greedy:
@@ -198,12 +274,20 @@ def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tenso
         sb.num_outputs += 1
     if not sb.needs_logprobs:
         return sampled, sampled
-    logprobs = raw_logits.log_softmax(dim=-1)
+    chunks = _row_chunks(*raw_logits.shape)
+    packed = [_packed_logprobs(raw_logits[rows], sampled[rows], sb.max_num_logprobs)
+              for rows in chunks]
+    return sampled, packed[0] if len(chunks) == 1 else torch.cat(packed)
+
+
+def _packed_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_top: int) -> torch.Tensor:
+    """(R, V) raw logits, (R,) sampled ids -> (R, 2 + 2 * num_top) packed rows."""
+    logprobs = logits.log_softmax(dim=-1)
     parts = [sampled.float().unsqueeze(1), logprobs.gather(1, sampled.unsqueeze(1))]
-    if sb.max_num_logprobs > 0:
-        top_lp, top_ids = logprobs.topk(sb.max_num_logprobs, dim=-1)
+    if num_top > 0:
+        top_lp, top_ids = logprobs.topk(num_top, dim=-1)
         parts += [top_ids.float(), top_lp]
-    return sampled, torch.cat(parts, dim=1)
+    return torch.cat(parts, dim=1)
 
 
 def probe_rows(rows: list[Request], vocab_size: int,

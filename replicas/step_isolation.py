@@ -3,10 +3,12 @@
 One request must never take the engine down, so `EngineCore` fails only the
 requests a failed step can be pinned on, and goes on:
 
-1. Engine faults (device errors, out of memory) are nobody's request: re-raised.
+1. Engine faults (device errors, out of memory outside sampling) are nobody's
+   request: re-raised. A batch that cannot get memory to sample
+   (`sampler.SamplingOutOfMemory`) is its rows' fault: it goes on below.
 2. Each sampled row is sampled alone on zero logits (`sampler.probe_rows`). Rows
    that fail while a plain control row succeeds are at fault (a sampling
-   parameter, a per-request hook).
+   parameter, a per-request hook, a row that cannot get memory even alone).
 3. Otherwise the cause is elsewhere in the step, and the step's unfinished work
    is run again as single steps, halving every failing set (`bisect`): a request
    that fails alone while some other run succeeded is at fault. When no run
@@ -23,6 +25,7 @@ import torch
 
 from replicas.config import SamplingParams
 from replicas.request import Request, RequestStatus
+from replicas.sampler import SamplingOutOfMemory
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
 
 # What a device or driver failure says; after one the device cannot be trusted.
@@ -34,6 +37,8 @@ Culprits = list[tuple[Request, Exception]]
 
 
 def is_engine_fault(error: BaseException) -> bool:
+    if isinstance(error, SamplingOutOfMemory):
+        return False  # smaller batches may sample: retried in halves
     if not isinstance(error, Exception) or isinstance(error, MemoryError):
         return True
     if isinstance(error, torch.OutOfMemoryError):

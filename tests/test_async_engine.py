@@ -2,9 +2,12 @@
 consumers get merged deltas and lose nothing."""
 import asyncio
 import random
+import threading
+import time
 
 import pytest
 
+from deltas.collector import DeltaCollector
 from deltas.types import FinishReason, OutputKind
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.async_engine import AsyncEngine, EngineDeadError, EngineOverloaded
@@ -168,5 +171,108 @@ def test_overload_and_engine_failure():
         assert last.finish_reason == FinishReason.ERROR and "injected" in last.error
         with pytest.raises(EngineDeadError):
             eng.check_health()
+    finally:
+        eng.shutdown()
+
+
+def _hold_command_queue(eng) -> threading.Event:
+    """Keep the engine thread from taking queued commands until the event is set:
+    a burst arriving faster than the engine thread drains its queue."""
+    gate, is_held, drain = threading.Event(), threading.Event(), eng._drain_commands
+
+    def gated_drain():
+        is_held.set()
+        gate.wait(60)
+        drain()
+    eng._drain_commands = gated_drain
+    eng._wakeup.set()
+    assert is_held.wait(10)  # the engine thread waits at the gate, the queue empty
+    return gate
+
+
+def _wait_idle(eng) -> None:
+    """Until the released requests' aborts have run, then assert nothing is left."""
+    for _ in range(200):
+        s = eng.stats()
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            break
+        time.sleep(0.05)
+    _assert_idle(eng)
+
+
+async def _finish(collector) -> tuple[list[int], FinishReason]:
+    ids = []
+    async for delta in collector:
+        ids += delta.token_ids
+    return ids, delta.finish_reason
+
+
+def test_prompt_token_bound_counts_requests_still_queued():
+    max_tokens = 100
+    eng = AsyncEngine(EngineConfig(model="tiny", max_waiting_prompt_tokens=max_tokens))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        async def burst():
+            gate = _hold_command_queue(eng)
+            admitted, refused = {}, []
+            for i in range(40):
+                prompt = [5 + i] * 30
+                collector = DeltaCollector(f"b{i}")
+                try:
+                    eng.submit(f"b{i}", prompt, params, collector)
+                    admitted[f"b{i}"] = (len(prompt), collector)
+                except EngineOverloaded as e:
+                    refused.append(e)
+            gate.set()
+            results = [await _finish(c) for _, c in admitted.values()]
+            for rid in admitted:
+                eng.release(rid)
+            # alone, a prompt above the bound still runs (or it never would)
+            big = DeltaCollector("big")
+            eng.submit("big", [5] * (max_tokens + 50), params, big)
+            results.append(await _finish(big))
+            eng.release("big")
+            return admitted, refused, results
+        admitted, refused, results = asyncio.run(burst())
+        assert sum(n for n, _ in admitted.values()) <= max_tokens
+        assert len(admitted) == 3 and len(refused) == 37
+        assert all(e.retry_after_s > 0 and "prompt tokens" in str(e) for e in refused)
+        assert all(len(ids) == 4 and reason == FinishReason.LENGTH for ids, reason in results)
+        _wait_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_an_abort_storm_under_the_bounds_is_never_refused():
+    eng = AsyncEngine(EngineConfig(model="tiny", max_waiting_requests=4,
+                                   max_waiting_prompt_tokens=64))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        async def storm():
+            gate = _hold_command_queue(eng)
+            kept = {f"k{i}": DeltaCollector(f"k{i}") for i in range(2)}
+            for rid, collector in kept.items():
+                eng.submit(rid, [7] * 16, params, collector)
+            aborted = {}
+            for i in range(300):  # 2 kept + 1 live at a time: under both bounds
+                aborted[f"a{i}"] = collector = DeltaCollector(f"a{i}")
+                eng.submit(f"a{i}", [9] * 16, params, collector)
+                eng.abort(f"a{i}")
+            gate.set()
+            ends = [await _finish(c) for c in aborted.values()]
+            kept_results = [await _finish(c) for c in kept.values()]
+            for rid in [*kept, *aborted]:
+                eng.release(rid)
+            # churn with the engine thread running as usual
+            for i in range(300):
+                collector = DeltaCollector(f"c{i}")
+                eng.submit(f"c{i}", [11] * 16, params, collector)
+                eng.release(f"c{i}")
+                await asyncio.sleep(0)
+            return ends, kept_results
+        ends, kept_results = asyncio.run(storm())  # raises EngineOverloaded if refused
+        assert all(ids == [] and reason == FinishReason.ABORT for ids, reason in ends)
+        assert all(len(ids) == 4 and reason == FinishReason.LENGTH for ids, reason in kept_results)
+        _wait_idle(eng)
     finally:
         eng.shutdown()

@@ -234,6 +234,36 @@ def test_context_check_says_the_limits():
     assert info.value.param == "prompt"
 
 
+def test_chat_length_bound_counts_every_message_before_the_template():
+    from types import SimpleNamespace
+
+    from cluster.ingress import DEFAULT_MAX_BODY_BYTES, Ingress, _max_token_chars, _prompt_chars
+    from deltas.tokenization.tokenizer import Tokenizer
+    from replicas.presets import PRESETS, resolve_tokenizer_dir
+
+    tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir("tiny"))
+    # A bound: never more characters than the chat template makes.
+    req = _parse(ChatCompletionRequest, {"model": "tiny", "messages": [
+        {"role": "system"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]})
+    rendered = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=False)
+    assert 3 < _prompt_chars(req, True) <= len(rendered)
+    # A body at the size limit of nothing but empty messages: 400 before the
+    # template and the tokenizer (seconds of CPU for 1.3M tokens) run.
+    message = b'{"role":"user"},'
+    num_messages = (DEFAULT_MAX_BODY_BYTES - 64) // len(message)
+    body = b'{"model":"tiny","messages":[' + (message * num_messages)[:-1] + b']}'
+    assert len(body) <= DEFAULT_MAX_BODY_BYTES
+    req = ChatCompletionRequest.model_validate_json(body)
+    ingress = SimpleNamespace(_max_token_chars=_max_token_chars(tokenizer))
+    max_model_len = PRESETS["tiny"]["max_position_embeddings"]
+    with pytest.raises(ApiError) as info:
+        Ingress.func_or_class._check_prompt_chars(ingress, req, True, max_model_len)
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert info.value.code == "context_length_exceeded"
+    assert f"{num_messages} messages" in info.value.message
+
+
 def test_serve_local_flags_override_config(tmp_path):
     from cluster.serve_local import app_args, curl_line, parse_args
 

@@ -57,9 +57,9 @@ def _drain(engine) -> None:
     assert stats["num_free_blocks"] == stats["num_total_blocks"], "every block must be free"
 
 
-def _run(engine, prompts, params=GREEDY, ids=None):
+def _run(engine, prompts, params=GREEDY, ids=None, params_by_id=None):
     for rid, p in zip(ids, prompts):
-        engine.add_request(p, params, request_id=rid)
+        engine.add_request(p, (params_by_id or {}).get(rid, params), request_id=rid)
     _drain(engine)
     return {rid: engine.output(rid) for rid in ids}
 
@@ -137,6 +137,56 @@ def test_a_seeded_request_next_to_a_failing_one_samples_as_alone(engine):
     outs = _run(engine, _prompts()[:1], seeded, ids=["s-crowd"])
     assert outs["s-crowd"].token_ids == alone
     assert engine.output("s-bad").finish_reason == FinishReason.ERROR
+
+
+def test_a_request_that_cannot_get_sampling_memory_fails_alone(engine, reference, monkeypatch):
+    # The marked request's top-k sort cannot get memory, in any batch and alone.
+    real = sampler._top_k_top_p
+
+    def top_k_top_p(logits, sb, rows):
+        if sb.top_k is not None and bool((sb.top_k[rows] == 7).any()):
+            raise MemoryError()
+        return real(logits, sb, rows)
+
+    monkeypatch.setattr(sampler, "_top_k_top_p", top_k_top_p)
+    ids = [f"m{i}" for i in range(6)]
+    for rid, p in zip(ids, _prompts()):
+        engine.add_request(p, GREEDY, request_id=rid)
+    marked = SamplingParams(temperature=1.0, top_k=7, max_tokens=24, ignore_eos=True)
+    engine.add_request(_prompts()[0], marked, request_id="m-marked")
+    _drain(engine)
+    out = engine.output("m-marked")
+    assert out.finish_reason == FinishReason.ERROR and "SamplingOutOfMemory" in out.error, out
+    assert out.token_ids == []
+    for rid, ref in zip(ids, reference):
+        out = engine.output(rid)
+        assert out.finish_reason == FinishReason.LENGTH and out.token_ids == ref, rid
+
+
+def test_a_batch_too_big_to_sample_is_retried_in_halves(engine, reference, monkeypatch):
+    # Logprobs (after the draw) cannot get memory for more than 3 rows at once:
+    # every request completes, the seeded one as if it had run alone.
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, logprobs=2, max_tokens=24,
+                            ignore_eos=True)
+    alone = _run(engine, _prompts()[:1], seeded, ids=["h-alone"])["h-alone"]
+    real = sampler._packed_logprobs
+    failed_batch_sizes = []
+
+    def packed_logprobs(logits, sampled, num_top):
+        if logits.shape[0] > 3:
+            failed_batch_sizes.append(logits.shape[0])
+            raise MemoryError()
+        return real(logits, sampled, num_top)
+
+    monkeypatch.setattr(sampler, "_packed_logprobs", packed_logprobs)
+    ids = [f"h{i}" for i in range(6)]
+    outs = _run(engine, [*_prompts(), _prompts()[0]], ids=ids + ["h-seeded"],
+                params_by_id={"h-seeded": seeded})
+    assert failed_batch_sizes and max(failed_batch_sizes) == 7
+    assert outs["h-seeded"].token_ids == alone.token_ids
+    assert outs["h-seeded"].logprobs == alone.logprobs
+    for rid, ref in zip(ids, reference):
+        assert outs[rid].finish_reason == FinishReason.LENGTH and outs[rid].token_ids == ref, rid
 
 
 def test_a_failing_output_sink_ends_only_its_request(engine, reference):
