@@ -22,8 +22,9 @@ from cluster.replica import EngineReplica
 from cluster.routing import ROUTER_PATH
 
 # Unary calls (stats, model_info, health) and one channel per ingress replica
-# count against a replica's max_ongoing_requests too; this headroom keeps them
-# from queueing behind admitted requests.
+# count against a replica's max_ongoing_requests too. Admitted requests may hold
+# the rest, never these: an admitted request holds its slot until a channel took
+# its last delta, so a channel queued behind admissions would stall them all.
 _UNARY_HEADROOM = 16
 
 
@@ -71,6 +72,10 @@ class AppArgs(EngineArgs):
     # A request still generating this long after its first token ends with a 504
     # error (an SSE error event once streaming) and is aborted. None: no limit.
     request_timeout_s: float | None = Field(None, gt=0.0)
+    # A request that has no first token this long after it arrived (queued in Serve
+    # or in the engine, then its prefill) gets 503 + Retry-After and is aborted.
+    # None: no limit.
+    queue_timeout_s: float | None = Field(300.0, gt=0.0)
     # Test-only: lets EngineReplica.inject_fault break the engine (cluster/faults.py).
     enable_fault_injection: bool = False
     # HTTP.
@@ -134,12 +139,22 @@ class AppArgs(EngineArgs):
 
         return EngineConfig(**self.engine_config_dict())
 
-    def engine_options(self) -> dict:
+    @property
+    def engine_max_ongoing(self) -> int:
         # The engine queues what it cannot run yet (and refuses past its bounds with
         # 429), so Serve must let that many requests through to the replica.
-        max_ongoing = self.engine_max_ongoing_requests or (
+        return self.engine_max_ongoing_requests or (
             self.max_num_seqs + (self.max_waiting_requests or self.max_num_seqs)
             + _UNARY_HEADROOM + self.num_ingress_replicas)
+
+    @property
+    def engine_max_admitted(self) -> int:
+        """Admitted requests an engine replica holds at most: its slots less those kept
+        for unary calls and channels (past it: 429 + Retry-After)."""
+        return max(1, self.engine_max_ongoing - _UNARY_HEADROOM - self.num_ingress_replicas)
+
+    def engine_options(self) -> dict:
+        max_ongoing = self.engine_max_ongoing
         actor = {"num_cpus": self.engine_num_cpus}
         if self.engine_num_gpus:
             actor["num_gpus"] = self.engine_num_gpus
@@ -182,10 +197,11 @@ def make_app(args: AppArgs, engine_factory: Callable | None = None) -> Applicati
     engine = EngineReplica.options(**args.engine_options()).bind(
         args.engine_config_dict(), channel_idle_close_s=args.channel_idle_close_s,
         ingress_detach_timeout_s=args.ingress_detach_timeout_s,
-        stall_timeout_s=args.stall_timeout_s,
+        stall_timeout_s=args.stall_timeout_s, max_admitted_requests=args.engine_max_admitted,
         enable_fault_injection=args.enable_fault_injection, engine_factory=engine_factory)
     return Ingress.options(**args.ingress_options()).bind(
         engine, served_model_name=args.name_served, model=args.model,
         api_key_sha256=args.api_key_digest(),
         allow_unauthenticated=args.allow_unauthenticated,
-        max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s)
+        max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
+        queue_timeout_s=args.queue_timeout_s)

@@ -93,11 +93,13 @@ class ReplicaRejected(Exception):
 
 
 class ReplicaUnavailable(Exception):
-    """The replica's engine died or stalled; the ingress answers 503 (retry later)."""
+    """The replica's engine died or stalled; the ingress tries another replica, or
+    answers 503 (retry later). `replica_id`: the replica that refused, if known."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, replica_id: str | None = None) -> None:
+        super().__init__(message, replica_id)
         self.message = message
+        self.replica_id = replica_id
 
 
 def replica_cause(exc: BaseException) -> BaseException:

@@ -266,7 +266,8 @@ class Ingress:
     def __init__(self, engine, served_model_name: str, model: str,
                  api_key_sha256: str | None = None, allow_unauthenticated: bool = False,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None,
+                 queue_timeout_s: float | None = None) -> None:
         from deltas.tokenization.tokenizer import Tokenizer
         from replicas.presets import resolve_tokenizer_dir
 
@@ -275,13 +276,20 @@ class Ingress:
         # per-step messages are small, and the store's round trip costs more.
         self._engine_stream = engine.options(stream=True, _by_reference=False)
         owner, owner_handle = _ingress_identity()
-        self._channels = ChannelHub(self._engine_stream, owner, owner_handle)
+        # NOTE: channels get a handle of their own, so a router of their own: a
+        # channel call never waits in the queue of a burst of admission calls (which
+        # wait, in turn, for the channel to take their deltas).
+        channel_handle = serve.get_deployment_handle(
+            engine.deployment_name, app_name=engine.app_name).options(
+            stream=True, _by_reference=False)
+        self._channels = ChannelHub(channel_handle, owner, owner_handle)
         self._served_model_name = served_model_name
         self._model = model
         self._tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(model))
         self._max_token_chars = _max_token_chars(self._tokenizer)
         self._max_body_bytes = max_body_bytes
         self._request_timeout_s = request_timeout_s
+        self._queue_timeout_s = queue_timeout_s
         self._model_info: dict | None = None
         self._created = int(time.time())
         app.state.api_key_digest, app.state.loopback_hosts_only = _access_mode(
@@ -362,7 +370,8 @@ class Ingress:
                                  include_stop_str_in_output=req.include_stop_str_in_output,
                                  skip_special_tokens=req.skip_special_tokens)
         relay = await Relay.open(self._engine_stream, self._channels, engine_request,
-                                 text_stream, timeout_s=self._request_timeout_s)
+                                 text_stream, timeout_s=self._request_timeout_s,
+                                 queue_timeout_s=self._queue_timeout_s)
         formatter_cls = ChatFormatter if chat else CompletionFormatter
         formatter = formatter_cls(request_id, self._served_model_name, int(time.time()),
                                   include_usage=req.include_usage)

@@ -8,6 +8,11 @@ HTTP status. `text_deltas` then drains the collector (everything pending at once
 so a consumer that falls behind gets one merged delta) through `TextStream`
 (incremental detokenizing, stop strings with hold-back).
 
+An admission refused because the replica's engine died is tried again on another
+replica (that one is avoided for a while, cluster/replica_avoidance.py), before any header
+went out. Waiting for the first token (Serve's queue, the engine's queue, the
+prefill) is bounded by `queue_timeout_s`: past it, 503 + Retry-After.
+
 The admission call stays open until the request ends; a watcher turns its
 failure (the replica died) into an error delta. Whenever the consumer is done
 before the engine (stop string, client gone, timeout, failure), the admission
@@ -18,17 +23,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import AsyncIterator
 
 from cluster.channels import ChannelHub
-from cluster.errors import ApiError, replica_error
+from cluster.errors import ApiError, ReplicaUnavailable, replica_cause, replica_error
+from cluster.replica_avoidance import avoid_replica
 from cluster.wire import EngineRequest
 from deltas.collector import DeltaCollector
 from deltas.types import FinishReason, TextDelta, TokenDelta
 
+logger = logging.getLogger("ray.serve")
+
 # How long a request may wait for its finished delta after its admission call
 # ended cleanly (the two travel on different streams) before it is failed.
 _FINISH_GRACE_S = 10.0
+# Admissions of one request: the first, and retries on other replicas when an
+# engine turned out dead.
+MAX_ADMISSION_ATTEMPTS = 3
+QUEUE_TIMEOUT_RETRY_AFTER_S = 5.0
 
 
 class Relay:
@@ -47,30 +60,50 @@ class Relay:
 
     @classmethod
     async def open(cls, engine_stream, hub: ChannelHub, request: EngineRequest, text_stream,
-                   timeout_s: float | None = None) -> "Relay":
+                   timeout_s: float | None = None,
+                   queue_timeout_s: float | None = None) -> "Relay":
         """Admit `request` and wait for its first delta. Raises ApiError (400, 429,
-        503, 500) when it is refused or fails before its first token."""
+        503, 500) when it is refused or fails before its first token, and 503 when
+        that takes longer than `queue_timeout_s`."""
         collector = hub.register(request.request_id)
-        call = engine_stream.generate.remote(request.to_wire())
-        relay = cls(request.request_id, hub, call, collector, text_stream, timeout_s)
+        relay = cls(request.request_id, hub, None, collector, text_stream, timeout_s)
         try:
             try:
-                replica_id = await call.__anext__()
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:
-                raise replica_error(e) from None
-            hub.attach(request.request_id, replica_id)
-            relay._watcher = asyncio.create_task(relay._watch())
-            first = await collector.get()
-            if first.finish_reason == FinishReason.ERROR:  # no header went out yet
-                raise relay._failure or ApiError(500, f"The request failed: {first.error}",
-                                                 code="engine_error")
+                await asyncio.wait_for(relay._admit(engine_stream, request), queue_timeout_s)
+            except asyncio.TimeoutError:
+                raise ApiError(503, f"The request got no first token within "
+                               f"{queue_timeout_s:g} s (queue_timeout_s): the server is busy; "
+                               "retry later", code="queue_timeout",
+                               retry_after_s=QUEUE_TIMEOUT_RETRY_AFTER_S) from None
         except BaseException:
             relay._close(engine_done=False)
             raise
-        relay._first = first
         return relay
+
+    async def _admit(self, engine_stream, request: EngineRequest) -> None:
+        for attempt in range(MAX_ADMISSION_ATTEMPTS):
+            self._call = engine_stream.generate.remote(request.to_wire())
+            try:
+                replica_id = await self._call.__anext__()
+                break
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                cause = replica_cause(e)
+                dead = isinstance(cause, ReplicaUnavailable) and cause.replica_id
+                if not dead or attempt + 1 == MAX_ADMISSION_ATTEMPTS:
+                    raise replica_error(e) from None
+                # its engine died; no header went out, so try another replica
+                logger.warning("engine replica %s refused %s (its engine died): avoiding it, "
+                               "trying another", cause.replica_id, request.request_id)
+                avoid_replica(cause.replica_id)
+        self._hub.attach(request.request_id, replica_id)
+        self._watcher = asyncio.create_task(self._watch())
+        first = await self._collector.get()
+        if first.finish_reason == FinishReason.ERROR:  # no header went out yet
+            raise self._failure or ApiError(500, f"The request failed: {first.error}",
+                                            code="engine_error")
+        self._first = first
 
     async def text_deltas(self) -> AsyncIterator[TextDelta]:
         """Text deltas until one carries a finish reason (STOP, LENGTH, ABORT or
@@ -98,7 +131,7 @@ class Relay:
     def _close(self, engine_done: bool) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
-        if not engine_done:  # stop string, disconnect, failure or timeout
+        if not engine_done and self._call is not None:  # stop string, disconnect, timeout
             self._call.cancel()
         self._hub.forget(self.request_id)
 

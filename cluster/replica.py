@@ -52,6 +52,7 @@ class EngineReplica:
     def __init__(self, engine_config: dict, channel_idle_close_s: float = 5.0,
                  ingress_detach_timeout_s: float = 30.0, owner_check_interval_s: float = 2.0,
                  stats_interval_s: float = 1.0, stall_timeout_s: float | None = None,
+                 max_admitted_requests: int | None = None,
                  enable_fault_injection: bool = False,
                  engine_factory: Callable[[Any], Any] | None = None) -> None:
         from replicas.config import EngineConfig
@@ -65,6 +66,10 @@ class EngineReplica:
         self._faults = (FaultInjector(self._engine)
                         if fault_injection_enabled(enable_fault_injection) else None)
         self._channel_idle_close_s = channel_idle_close_s
+        # NOTE: past this many open admissions, refuse (429) rather than take the slots
+        # Serve keeps for channels and unary calls (cluster/app.py, _UNARY_HEADROOM).
+        self._max_admitted = max_admitted_requests
+        self._num_admitted = 0
         self._owner_check_interval_s = owner_check_interval_s
         self._outboxes = OutboxRegistry(ingress_detach_timeout_s)
         self._sweeper: asyncio.Task | None = None
@@ -88,22 +93,29 @@ class EngineReplica:
 
     # ---- per request: admission -------------------------------------------------
 
-    async def generate(self, request: list):
+    async def generate(self, request: list, pin_replica_id: str | None = None):
         """Admit an `EngineRequest` (wire list) and stream this replica's id; stay
         open until the request ended. Bad input raises ReplicaRejected, a full
-        engine queue ReplicaOverloaded and a dead engine ReplicaUnavailable, before
-        anything is streamed. Deltas travel on the owner's channel."""
+        engine queue (or too many admissions) ReplicaOverloaded and a dead engine
+        ReplicaUnavailable, before anything is streamed. Deltas travel on the
+        owner's channel. `pin_replica_id` is read by the router (tests)."""
         req = EngineRequest.from_wire(request)
+        if self._max_admitted is not None and self._num_admitted >= self._max_admitted:
+            self._counts["num_requests_refused"] += 1
+            raise ReplicaOverloaded(f"{self._num_admitted} requests are admitted on this "
+                                    f"replica, its bound", 1.0)
         self._start_sweeper()
         outbox = self._outboxes.get(req.owner)
         done = self._admit(req, outbox)
         self._counts["num_requests_admitted"] += 1
+        self._num_admitted += 1
         finished = False
         try:
             yield self._replica_id
             await done
             finished = True
         finally:
+            self._num_admitted -= 1
             self._engine.release(req.request_id)
             if not finished:
                 self._engine.abort(req.request_id)
@@ -125,7 +137,7 @@ class EngineReplica:
             if isinstance(e, EngineOverloaded):
                 raise ReplicaOverloaded(str(e), float(e.retry_after_s)) from None
             if isinstance(e, EngineDeadError):  # the ingress must not import torch
-                raise ReplicaUnavailable(str(e)) from None
+                raise ReplicaUnavailable(str(e), self._replica_id) from None
             if isinstance(e, (ValueError, TypeError)):
                 raise ReplicaRejected(str(e)) from None
             raise

@@ -9,6 +9,9 @@ power of two choices.
   prefix's KV blocks are likely cached, unless that replica is much busier.
 - Everything else, and the fallback, is Serve's own power of two choices.
 
+An admission call avoids a replica whose engine was found dead for a while
+(cluster/replica_avoidance.py). If every replica is avoided, all stay candidates.
+
 This is Serve's request-router extension point (`request_router_config`), so
 routing keeps Serve's queue-length probing, backoff, queue bounds and replica
 bookkeeping. A pinned call waits (with Serve's backoff) while its replica is not
@@ -16,12 +19,24 @@ among the running ones; the ingress bounds that wait (see cluster/channels.py).
 """
 from __future__ import annotations
 
+import random
+
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.request_router import RequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from cluster.prefix_affinity import choose, prefix_key
 
 PIN_KWARG = "pin_replica_id"
+
+
+def _not_avoided(candidates: list[RunningReplica]) -> list[RunningReplica]:
+    from cluster import replica_avoidance  # NOTE: at call time (see its docstring)
+
+    if not replica_avoidance.any_avoided():
+        return candidates
+    keep = [r for r in candidates if not replica_avoidance.is_avoided(r.replica_id.unique_id)]
+    return keep or candidates
 
 
 class PinnedRouter(PowerOfTwoChoicesRequestRouter):
@@ -43,13 +58,27 @@ class PinnedRouter(PowerOfTwoChoicesRequestRouter):
                 # the router's event loop, which then never learns of new replicas.
                 pending_request.routing_context.should_backoff = True
                 return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
-            preferred = self._prefix_choice(candidate_replicas, pending_request)
+            allowed = _not_avoided(candidate_replicas)
+            preferred = self._prefix_choice(allowed, pending_request)
+            if len(allowed) < len(candidate_replicas):
+                # NOTE: Serve's power of two draws from every replica it knows, not
+                # from `candidate_replicas`: with some avoided, draw two here.
+                rest = [random.sample(allowed, min(2, len(allowed)))]
+            else:
+                rest = await super().choose_replicas(candidate_replicas, pending_request)
             if preferred is not None:
                 # NOTE: a second rank: if the preferred replica refuses (its queue is
-                # full), Serve's usual choice among the rest follows.
-                rest = await super().choose_replicas(candidate_replicas, pending_request)
+                # full), the usual choice among the rest follows.
                 return [[preferred]] + rest
+            return rest
         return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None):
+        # NOTE: a replica chosen for one request (its pin, its prefix, not an avoided
+        # one) goes to that very request. Serve's FIFO policy would hand it to
+        # whichever request is first in the queue: a channel pinned to replica A
+        # could then open on replica B.
+        RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
 
     def _prefix_choice(self, candidates: list[RunningReplica],
                        pending_request: PendingRequest) -> RunningReplica | None:

@@ -32,3 +32,55 @@ def test_a_pin_to_a_replica_not_running_backs_off():
     pending = _pending("starting")
     assert _choose([_replica("a")], pending) == [[]]
     assert pending.routing_context.should_backoff
+
+
+def _admission(prompt=(5, 6, 7)):
+    wire = ["rid", list(prompt), {}, "owner"]
+    return SimpleNamespace(kwargs={}, args=(wire,),
+                           routing_context=SimpleNamespace(should_backoff=False))
+
+
+def test_admissions_avoid_a_replica_whose_engine_died(monkeypatch):
+    from cluster import replica_avoidance, routing
+
+    monkeypatch.setattr(replica_avoidance, "_avoided_until", {})
+    a, b, c = _replica("a"), _replica("b"), _replica("c")
+    router = object.__new__(PinnedRouter)
+    router._prefix_tokens = 0
+    replica_avoidance.avoid_replica("b")
+    for _ in range(20):
+        ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission()))
+        assert b not in [r for rank in ranks for r in rank] and ranks[0]
+    # a pin still reaches it (its own channel), and when every replica is avoided
+    # they all stay candidates
+    assert _choose([a, b, c], _pending("b")) == [[b]]
+    replica_avoidance.avoid_replica("a")
+    replica_avoidance.avoid_replica("c")
+    seen = []
+
+    async def power_of_two(self, candidates, pending=None):
+        seen.append(candidates)
+        return [candidates[:2]]
+    monkeypatch.setattr(routing.PowerOfTwoChoicesRequestRouter, "choose_replicas", power_of_two)
+    ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission()))
+    assert seen == [[a, b, c]] and ranks == [[a, b]]
+
+
+def test_a_chosen_replica_goes_to_the_request_it_was_chosen_for():
+    """Serve's FIFO policy hands a chosen replica to the first request in the queue:
+    a channel pinned to one replica could open on another. Ours matches exactly."""
+    import concurrent.futures
+
+    first = SimpleNamespace(future=concurrent.futures.Future(), rid="first")
+    pinned = SimpleNamespace(future=concurrent.futures.Future(), rid="pinned")
+    by_id = {"first": first, "pinned": pinned}
+    router = object.__new__(PinnedRouter)
+    router._pending_requests_to_fulfill = __import__("collections").deque([first, pinned])
+    router._get_pending_request_matching_internal_request_id = lambda m: by_id.get(
+        m.internal_request_id)
+    router._cancel_routing_task_for_pending_request = lambda pr: None
+    router._record_queue_wait_time = lambda pr: None
+    router._remove_pending_request_from_indices = lambda pr: by_id.pop(pr.rid)
+    replica = _replica("b")
+    router._fulfill_next_pending_request(replica, SimpleNamespace(internal_request_id="pinned"))
+    assert pinned.future.result(timeout=1) is replica and not first.future.done()

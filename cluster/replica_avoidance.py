@@ -1,0 +1,33 @@
+"""Engine replicas the admissions of this process avoid for a while: those whose
+engine was found dead (the ingress learns it from a refusal, cluster/relay.py).
+Such a replica answers at once, so queue-length probing would otherwise see it as
+the least loaded until Serve replaces it.
+
+NOTE: a module of its own, imported where it is used at call time: Serve may ship
+the router class to the ingress by value, with a copy of its module's globals, so
+a registry kept in cluster/routing.py would not be the one the ingress writes to.
+"""
+from __future__ import annotations
+
+import time
+
+AVOID_S = 30.0
+# replica unique id -> the monotonic time until which admissions avoid it
+_avoided_until: dict[str, float] = {}
+
+
+def avoid_replica(replica_id: str, seconds: float = AVOID_S) -> None:
+    _avoided_until[replica_id] = time.monotonic() + seconds
+
+
+def is_avoided(replica_id: str, now: float | None = None) -> bool:
+    until = _avoided_until.get(replica_id)
+    return until is not None and until > (time.monotonic() if now is None else now)
+
+
+def any_avoided() -> bool:
+    return bool(_avoided_until)
+
+
+def clear() -> None:
+    _avoided_until.clear()
