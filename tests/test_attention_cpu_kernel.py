@@ -1,20 +1,46 @@
 """The CPU backend's paged decode kernel against the torch backend (the reference),
-and a whole engine run with it against one on plain torch."""
+and a whole engine run with it against one on plain torch. Where the kernel builds,
+it is loaded and called (no silent fall back to torch), on torch's OpenMP runtime;
+a cached build is loaded without compiling; only a private build is loaded."""
+import ctypes
 import os
+import re
+import shlex
 import stat
 import subprocess
 
 import pytest
 import torch
 
+from replicas.attention import native_kernels
 from replicas.attention.base import AttentionMetadata
 from replicas.attention.cpu_backend import CpuAttentionBackend
-from replicas.attention.native_kernels import build, kernel_cache_dir, load_paged_decode_attention
+from replicas.attention.native_kernels import (build, kernel_cache_dir, load_paged_decode_attention,
+                                               openmp_runtimes)
+from replicas.attention.private_files import UntrustedPath
 from replicas.attention.torch_backend import TorchAttentionBackend
 
-# NOTE: a machine without a C compiler runs the torch backend (tested elsewhere)
-pytestmark = pytest.mark.skipif(load_paged_decode_attention()[0] is None,
-                                reason=str(load_paged_decode_attention()[1]))
+KERNEL = "paged_decode_attention"
+
+
+def _why_the_kernel_cannot_be_built():
+    try:
+        build(KERNEL)
+    except UntrustedPath:
+        return None  # the loader builds it in a private temporary directory instead
+    except RuntimeError as error:  # no compiler, or one that cannot build it here
+        return str(error)
+    return None
+
+
+# NOTE: a machine that cannot build the kernel runs the torch backend (tested
+# elsewhere). Only that skips: a kernel that builds but is not loaded fails here.
+WHY_NOT_BUILT = _why_the_kernel_cannot_be_built()
+pytestmark = pytest.mark.skipif(WHY_NOT_BUILT is not None, reason=str(WHY_NOT_BUILT))
+
+
+def _load_fresh():
+    return native_kernels._load(KERNEL)  # not the per-process cache
 
 
 def _decode_case(B, h, kvh, d, bs, lens, seed=0):
@@ -78,10 +104,33 @@ def test_a_length_outside_the_block_table_is_refused():
         CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
 
 
-def test_the_build_is_cached_by_key():
-    first = build("paged_decode_attention")
+def _failing_compiler(tmp_path) -> str:
+    """A CC that fails every compile and link, and reports the real compiler's
+    version (part of the cache key, so a cached build still matches)."""
+    script = tmp_path / "failing-cc"
+    script.write_text("#!/bin/sh\n"
+                      f'[ "$1" = --version ] && exec {shlex.join(native_kernels._compiler())} --version\n'
+                      "exit 1\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_cached_build_is_loaded_without_compiling_and_a_missing_one_is_compiled(tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.setenv("STEPSTREAM_CACHE", str(tmp_path / "cache"))
+    first = build(KERNEL)
     assert first.parent == kernel_cache_dir() and first.exists()
-    assert build("paged_decode_attention") == first
+    monkeypatch.setenv("CC", _failing_compiler(tmp_path))
+    assert build(KERNEL) == first  # would have raised had it compiled
+    fn, why = _load_fresh()
+    assert why is None and fn is not None
+    # the control: without the cached file the same compiler fails the build
+    first.unlink()
+    with pytest.raises(RuntimeError, match="failing-cc .*-c .*paged_decode_attention.c.* failed"):
+        build(KERNEL)
+    fn, why = _load_fresh()
+    assert fn is None and "failing-cc" in why
+    assert not first.exists()
 
 
 def test_engine_outputs_equal_with_the_cpu_kernel_and_plain_torch():
@@ -117,14 +166,48 @@ def test_a_block_id_outside_the_cache_is_refused():
         CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
 
 
-def test_the_kernel_shares_torchs_openmp_runtime():
-    from replicas.attention.native_kernels import openmp_runtimes
+def _mapped_file_at(address: int) -> str | None:
+    """The file mapped into this process at `address` (/proc/self/maps), or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) == 6 else None
+    return None
+
+
+def _needed_libraries(path: str) -> list[str]:
+    """The libraries `path` asks the dynamic loader for (its DT_NEEDED entries)."""
+    dynamic = subprocess.run(["readelf", "-d", path], capture_output=True, text=True,
+                             check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", dynamic)
+
+
+def test_the_kernel_is_loaded_and_called_and_shares_torchs_openmp_runtime(monkeypatch):
+    kernel, why = load_paged_decode_attention()
+    assert kernel is not None, f"fell back to torch: {why}"
+    # its code is the cached build's, mapped into this process
+    library = _mapped_file_at(ctypes.cast(kernel, ctypes.c_void_p).value)
+    assert library == str(build(KERNEL))
+    # the backend calls it for decode
+    backend = CpuAttentionBackend()
+    assert backend._kernel is kernel
+    calls = []
+    monkeypatch.setattr(backend, "_kernel", lambda *args: calls.append(args) or kernel(*args))
+    q, k_cache, v_cache, meta = _decode_case(3, 4, 2, 16, 16, [5, 17, 40])
+    got = backend.forward(q, k_cache, v_cache, meta, 0.25)
+    assert len(calls) == 1
+    torch.testing.assert_close(got, TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25),
+                               atol=1e-5, rtol=1e-5)
+    # one OpenMP runtime in the process, and the kernel links against it: one pool
     runtimes = openmp_runtimes()
-    assert len(runtimes) <= 1, runtimes  # loaded by the tests above: still one pool
+    assert len(runtimes) == 1, runtimes
+    runtime = os.path.basename(runtimes.pop())
+    assert runtime in _needed_libraries(library), f"{library} is not linked against {runtime}"
 
 
 # -- only a private build is loaded --------------------------------------------------
-KERNEL = "paged_decode_attention"
 # Stands in for someone else's code in the cache: loading it leaves a marker file.
 PLANTED_C = """
 #include <stdio.h>
@@ -139,7 +222,6 @@ int paged_decode_attention(void) { return -1; }
 def _plant(tmp_path, monkeypatch, at=None):
     """A cache under tmp_path whose kernel file (or `at`) is a planted library, owned by
     us and mode 0o755: (the kernel's path in the cache, the marker loading writes)."""
-    from replicas.attention import native_kernels
     monkeypatch.setenv("STEPSTREAM_CACHE", str(tmp_path / "cache"))
     path = build(KERNEL)
     marker = tmp_path / "planted-code-ran"
@@ -166,11 +248,6 @@ def _not_ours(monkeypatch, path, is_dir):
         fields[4] = os.geteuid() + 1  # st_uid: neither us nor root
         return os.stat_result(fields)
     monkeypatch.setattr(os, "fstat", fstat)
-
-
-def _load_fresh():
-    from replicas.attention import native_kernels
-    return native_kernels._load(KERNEL)  # not the per-process cache
 
 
 def test_a_private_cached_build_is_loaded_as_is(tmp_path, monkeypatch):

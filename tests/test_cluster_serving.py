@@ -348,6 +348,40 @@ def test_a_huge_prompt_is_refused_without_stalling_other_requests(server):
     assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
 
 
+# NOTE: under the character bound (2048 tokens x 65 characters a token at most x 4), so
+# it reaches the tokenizer: 1.5M byte-level tokens, about 0.6 s of tokenizing here.
+SLOW_TO_TOKENIZE = "".join(chr(0x4E00 + (i * 7919) % 0x51FF) for i in range(500_000))
+MAX_STREAM_GAP_S = 0.35
+
+
+def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server):
+    """The tokenizer runs off the event loop: a concurrent stream's largest gap between
+    events stays well under the time the long prompt takes to tokenize."""
+    async def run():
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            arrivals, big = [], None
+            async with c.stream("POST", server + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        arrivals.append(time.monotonic())
+                    if len(arrivals) == 3:
+                        big = asyncio.ensure_future(c.post(
+                            server + "/v1/completions",
+                            json={"model": MODEL, "prompt": SLOW_TO_TOKENIZE, "max_tokens": 4}))
+            return arrivals, await big
+
+    arrivals, big = asyncio.run(run())
+    assert big.status_code == 400, big.text[:300]
+    error = big.json()["error"]
+    # refused after tokenizing: the message counts tokens, not characters
+    assert error["code"] == "context_length_exceeded" and "1500" in error["message"], error
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    print(f"\nlargest gap of a concurrent stream while 1.5M tokens were made: {max(gaps):.3f} s")
+    assert max(gaps) < MAX_STREAM_GAP_S, sorted(gaps)[-5:]
+
+
 def test_api_key_required_everywhere_but_health(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},

@@ -1,4 +1,5 @@
-"""Prefix caching never changes greedy outputs: shared system prompts, fully
+"""Prefix caching never changes greedy outputs (each cached run against one with
+caching off, so a hit on wrong KV fails): shared system prompts, fully
 cached prompts, multi-turn continuations (cached decode blocks), under
 multi-step windows, async output, chunked prefill, preemption with eviction and
 aborts; every block is free or cached-and-evictable afterwards."""
@@ -122,17 +123,19 @@ def test_caching_off_recomputes_everything(waves_and_reference):
 
 def test_blocks_of_a_prompt_are_found_by_its_chained_hashes(waves_and_reference):
     """What a router relies on: the engine caches a prompt's full blocks under
-    `prompt_block_hashes` of its token ids."""
-    waves, _ = waves_and_reference
-    prompt = waves[0][1]
+    `prompt_block_hashes` of its token ids; the runs that hit them answer as the
+    uncached reference does."""
+    waves, reference = waves_and_reference
+    prompt, uncached = waves[0][1], reference[0][1]
     with Engine(EngineConfig(model="tiny")) as engine:
-        engine.generate([prompt], GREEDY)
+        assert engine.generate([prompt], GREEDY)[0].token_ids == uncached
         core = engine.core
         hashes = prompt_block_hashes(prompt, BLOCK_SIZE, core.scheduler.root_block_hash)
         assert len(core.block_manager.find_cached_blocks(hashes, len(hashes))) == len(prompt) // BLOCK_SIZE
-        # a second identical prompt computes only its last block
+        # an identical prompt, twice: each computes only its last block, from the cached KV
         before = core.stats()["num_prefix_cache_hit_tokens"]
-        assert engine.generate([prompt], GREEDY)[0].token_ids == engine.generate([prompt], GREEDY)[0].token_ids
+        for _ in range(2):
+            assert engine.generate([prompt], GREEDY)[0].token_ids == uncached
         assert core.stats()["num_prefix_cache_hit_tokens"] - before == 2 * ((len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE
 
 

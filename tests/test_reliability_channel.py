@@ -116,9 +116,21 @@ def _crash_the_ingress() -> None:
     procs[0].kill()
 
 
+def _counts(handle, keys) -> dict[str, int]:
+    stats = _stats(handle).values()
+    return {k: sum(s[k] for s in stats) for k in keys}
+
+
+ENDINGS = ("num_requests_cancelled", "num_requests_orphaned", "num_requests_finished")
+# NOTE: "slow" sleeps once per 4-step window: 400 tokens then take 100 x 0.6 = 60 s,
+# far past the 15 s the test allows for the abort.
+SLOW_WINDOW_S = 0.6
+
+
 def test_a_killed_ingress_leaves_no_request_running(server):
     handle = engine_handle()
-    _fault_both(handle, "slow")
+    before = _counts(handle, ENDINGS)
+    _fault_both(handle, "slow", SLOW_WINDOW_S)
     num_streams = 6
 
     async def run():
@@ -133,17 +145,19 @@ def test_a_killed_ingress_leaves_no_request_running(server):
             await asyncio.gather(*streams, return_exceptions=True)  # cut by the proxy
         return killed_at
 
-    killed_at = asyncio.run(run())
-    # 400 tokens at 50 ms a step would run for 20 s: idle much sooner means aborted.
-    assert wait_until(lambda: all(is_idle(s) for s in _stats(handle).values()), 15)
-    aborted_s = time.monotonic() - killed_at
-    stats = _stats(handle).values()
+    try:
+        killed_at = asyncio.run(run())
+        # They would run for 60 s more: idle within 15 s means aborted.
+        assert wait_until(lambda: all(is_idle(s) for s in _stats(handle).values()), 15)
+        aborted_s = time.monotonic() - killed_at
+        after = _counts(handle, ENDINGS)
+    finally:
+        _fault_both(handle, "clear")
+    ended = {k: after[k] - before[k] for k in ENDINGS}
     # Ended by the engines: cancelled (Serve cancelled the dead caller's calls) or
     # orphaned (the replica noticed its ingress was gone), never finished.
-    ended = {k: sum(s[k] for s in stats) for k in ("num_requests_cancelled",
-                                                    "num_requests_orphaned")}
-    assert sum(ended.values()) >= num_streams, ended
-    _fault_both(handle, "clear")
+    assert ended["num_requests_finished"] == 0, ended
+    assert ended["num_requests_cancelled"] + ended["num_requests_orphaned"] == num_streams, ended
     with httpx.Client(timeout=30) as c:  # Serve restarts the ingress
         deadline = time.monotonic() + 90
         while True:

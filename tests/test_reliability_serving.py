@@ -52,6 +52,9 @@ def _body(i: int, max_tokens: int, stream: bool) -> dict:
             **({"stream_options": {"include_usage": True}} if stream else {})}
 
 
+REFUSAL_BOUND_S = 15.0
+
+
 def test_burst_past_the_bounds_is_refused_at_once_and_admitted_streams_complete(
         server, reference):
     num_requests, max_tokens = 8 * (MAX_NUM_SEQS + MAX_WAITING) // 2, 48
@@ -105,8 +108,9 @@ def test_burst_past_the_bounds_is_refused_at_once_and_admitted_streams_complete(
     assert all(status == 503 for status, _ in other), other  # Serve's own queue limit only
     assert refused and len(admitted) >= MAX_NUM_SEQS
     assert max_waiting_seen[0] <= MAX_WAITING
-    # At once: a refusal does not wait for the queue to drain.
-    assert sorted(refused)[len(refused) // 2] < sorted(admitted)[len(admitted) // 2]
+    # At once: a refusal does not wait for the queue to drain (two waves of admitted
+    # requests would): bounded by the ingress's own pace through the burst.
+    assert max(refused) < REFUSAL_BOUND_S, sorted(refused)[-5:]
     print(f"\nburst of {num_requests} (bound {MAX_NUM_SEQS} running + {MAX_WAITING} waiting): "
           f"{len(admitted)} admitted and complete, {len(refused)} refused with 429, "
           f"{len(other)} Serve 503; median latency refused {_ms(refused)} vs admitted "
