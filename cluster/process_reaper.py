@@ -21,44 +21,22 @@ import subprocess
 import sys
 import time
 
-
-def _proc_stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return int(fields[1]), int(fields[19])
+from cluster import process_table
+from cluster.process_table import read_process, read_process_table
 
 
 def descendants(root_pid: int) -> dict[int, int]:
     """pid -> start time of every live process below `root_pid`."""
-    stats = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = _proc_stat(int(name))
-            if st is not None:
-                stats[int(name)] = st
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = {}, list(children.get(root_pid, []))
-    while todo:
-        pid = todo.pop()
-        if pid not in out and pid in stats:
-            out[pid] = stats[pid][1]
-            todo += children.get(pid, [])
-    return out
+    table = read_process_table()
+    return {pid: table[pid].start_ticks for pid in process_table.descendants(table, root_pid)}
 
 
 def alive(recorded: dict[int, int]) -> dict[int, int]:
     """The recorded processes still running (same pid and start time)."""
     out = {}
     for pid, started in recorded.items():
-        st = _proc_stat(pid)
-        if st is not None and st[1] == started:
+        info = read_process(pid)
+        if info is not None and info.start_ticks == started:
             out[pid] = started
     return out
 
@@ -77,15 +55,15 @@ def watch(launcher_pid: int, pipe_fd: int, poll_interval_s: float = 1.0, grace_s
     still alive; returns the ones that were alive at the end of the grace period."""
     recorded: dict[int, int] = {}
     me = os.getpid()
-    launcher = _proc_stat(launcher_pid)
+    launcher = read_process(launcher_pid)
     while launcher is not None:
         recorded.update({p: s for p, s in descendants(launcher_pid).items() if p != me})
         ready, _, _ = select.select([pipe_fd], [], [], poll_interval_s)
         if ready and not os.read(pipe_fd, 4096):
             break  # EOF: the launcher is gone
         # NOTE: also by its pid, in case a process forked without exec kept the pipe open.
-        now = _proc_stat(launcher_pid)
-        if now is None or now[1] != launcher[1]:
+        now = read_process(launcher_pid)
+        if now is None or now.start_ticks != launcher.start_ticks:
             break
     deadline = time.monotonic() + grace_s
     while alive(recorded) and time.monotonic() < deadline:

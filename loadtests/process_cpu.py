@@ -22,8 +22,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from cluster.process_table import cmdline, descendants, read_process_table
+
 ROLES = ("front door", "ingress", "engine", "ray", "client")
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def role_of(cmdline: str, comm: str) -> str:
@@ -37,46 +38,14 @@ def role_of(cmdline: str, comm: str) -> str:
     return "ray"
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-
-
-def _stat(pid: int) -> tuple[int, str, float] | None:
-    """(parent pid, comm, CPU seconds) of a live process."""
-    text = _read(f"/proc/{pid}/stat")
-    if text is None:
-        return None
-    # NOTE: comm sits in parentheses and may hold spaces or ')': split at the last ')'.
-    comm = text[text.index("(") + 1:text.rindex(")")]
-    fields = text[text.rindex(")") + 2:].split()
-    utime, stime = int(fields[11]), int(fields[12])
-    return int(fields[1]), comm, (utime + stime) / _CLK_TCK
-
-
 def _descendants(root_pid: int) -> dict[int, tuple[str, float]]:
     """pid -> (role, CPU seconds) for root_pid and everything below it."""
-    stats = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = _stat(int(name))
-            if st is not None:
-                stats[int(name)] = st
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = {}, [root_pid]
-    while todo:
-        pid = todo.pop()
-        if pid not in stats or pid in out:
-            continue
-        _, comm, cpu = stats[pid]
-        cmdline = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
-        out[pid] = (role_of(cmdline, comm), cpu)
-        todo += children.get(pid, [])
+    table = read_process_table()
+    out = {}
+    for pid in [root_pid, *descendants(table, root_pid)]:
+        info = table.get(pid)
+        if info is not None:
+            out[pid] = (role_of(cmdline(pid), info.comm), info.cpu_s)
     return out
 
 

@@ -103,6 +103,11 @@ def test_last_match_end_is_relative_to_the_last_push():
     assert matcher.last_match_end == 1
 
 
+def _split(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
+    return [text[a:b] for a, b in zip(points, points[1:])]
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     text=st.text(alphabet="abc ", max_size=30),
@@ -111,8 +116,7 @@ def test_last_match_end_is_relative_to_the_last_push():
     include=st.booleans(),
 )
 def test_any_split_matches_the_whole_text_reference(text, stops, cuts, include):
-    points = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
-    pieces = [text[a:b] for a, b in zip(points, points[1:])]
+    pieces = _split(text, cuts)
     emitted, stop = run(stops, pieces, include)
     expected_text, expected_stop = reference(stops, text, include)
     assert ("".join(emitted), stop) == (expected_text, expected_stop)
@@ -138,8 +142,7 @@ def test_any_split_matches_the_whole_text_reference(text, stops, cuts, include):
 def test_periodic_stops_fall_back_correctly(text, stops, cuts, include):
     # Two letters make long self-overlapping stop strings, where matching must fall
     # back to the longest border of what matched, not to the start.
-    points = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
-    pieces = [text[a:b] for a, b in zip(points, points[1:])]
+    pieces = _split(text, cuts)
     emitted, stop = run(stops, pieces, include)
     assert ("".join(emitted), stop) == reference(stops, text, include)
 
