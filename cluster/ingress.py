@@ -25,7 +25,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, StreamingResponse
 
-from cluster.access import (check_access, is_json_content_type, is_loopback,
+from cluster.access import (API_KEY_ENV, check_access, is_json_content_type, is_loopback,
                             is_loopback_host_header, serve_http_host)
 from cluster.errors import ApiError, bad_request
 from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
@@ -84,20 +84,30 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
-def _access_mode(api_key_sha256: str | None, allow_unauthenticated: bool) -> tuple[bytes | None, bool]:
+def _access_mode(api_key_sha256: str | None, allow_unauthenticated: bool,
+                 num_tries: int = 3) -> tuple[bytes | None, bool]:
     """(the expected key digest, whether only loopback Host headers may be served).
 
     NOTE: the digest comes from where the app was built (cluster/access.py), never
     from this replica's environment. Without one, the no-key rule is checked here
     against the host the running Serve binds: raises ValueError (the replica does
-    not start) on a non-loopback host without allow_unauthenticated."""
+    not start) on a non-loopback host, or when that host cannot be learned, unless
+    allow_unauthenticated."""
     if api_key_sha256:
         return bytes.fromhex(api_key_sha256), False
-    host = serve_http_host()
+    host = None
+    for _ in range(num_tries):
+        host = serve_http_host()
+        if host is not None:
+            break
+    if host is None and not allow_unauthenticated:
+        raise ValueError("refusing to serve without an API key: the HTTP host Serve binds "
+                         "could not be learned from its controller, so it may not be "
+                         f"loopback; set {API_KEY_ENV} (or api_key / api_key_sha256), or "
+                         "allow_unauthenticated: true")
     warning = check_access(host, has_key=False, allow_unauthenticated=allow_unauthenticated)
     logger.warning(warning or "No API key")
-    # NOTE: an unknown host counts as loopback: the Host check then fails closed.
-    return None, host is None or is_loopback(host)
+    return None, host is not None and is_loopback(host)
 
 
 def _forbidden_host(request: Request) -> ApiError | None:
@@ -203,7 +213,8 @@ def _ingress_identity() -> tuple[str, object]:
         handle = ray.get_runtime_context().current_actor
     except Exception:  # not inside an actor (tests)
         handle = None
-    return f"{replica_id}-{uuid.uuid4().hex[:8]}", handle
+    # NOTE: the suffix is this ingress's channel capability: 122 random bits, never logged.
+    return f"{replica_id}-{uuid.uuid4().hex}", handle
 
 
 def _sampling_params(fields: dict, vocab_size: int) -> dict:

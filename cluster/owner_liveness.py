@@ -53,10 +53,11 @@ def is_live_ingress_replica(owner: str, owner_handle: Any, app_name: str) -> boo
     """Whether `owner_handle` is the live ingress replica of this app that `owner`
     names. Blocking (asks the GCS): call it off the event loop.
 
-    NOTE: a caller that holds a handle to the engine deployment could otherwise
-    open a channel under another ingress's owner id and take that ingress's deltas.
-    Anyone who can call replicas at all passed Ray's token auth (RELIABILITY.md); this
-    keeps even such a caller from reading another ingress's streams."""
+    NOTE: not an authentication: anyone who can call replicas passed Ray's token auth
+    and can run code anywhere in the cluster (RELIABILITY.md). It keeps a stale or
+    misrouted channel call, or a caller without the ingress's own actor handle, from
+    opening a channel under that ingress's owner id (whose random suffix it would
+    also need to know)."""
     import ray
     from ray.serve._private.constants import SERVE_NAMESPACE
 

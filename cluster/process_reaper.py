@@ -57,6 +57,8 @@ def watch(launcher_pid: int, pipe_fd: int, poll_interval_s: float = 1.0, grace_s
     me = os.getpid()
     launcher = read_process(launcher_pid)
     while launcher is not None:
+        # NOTE: only the living: short-lived helpers would otherwise pile up.
+        recorded = alive(recorded)
         recorded.update({p: s for p, s in descendants(launcher_pid).items() if p != me})
         ready, _, _ = select.select([pipe_fd], [], [], poll_interval_s)
         if ready and not os.read(pipe_fd, 4096):
@@ -86,9 +88,12 @@ def start() -> subprocess.Popen | None:
         return None
     read_fd, write_fd = os.pipe()
     os.set_inheritable(write_fd, False)
+    # NOTE: cwd: the package root, so `-m cluster.process_reaper` imports wherever
+    # the launcher was started from.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.process_reaper", str(os.getpid()), str(read_fd)],
-        pass_fds=(read_fd,), stdin=subprocess.DEVNULL, start_new_session=True)
+        pass_fds=(read_fd,), stdin=subprocess.DEVNULL, start_new_session=True, cwd=root)
     os.close(read_fd)
     proc._stepstream_pipe = write_fd  # kept open for this process's whole life
     return proc

@@ -233,8 +233,8 @@ class EngineReplica:
             self._engine.abort(request_id)
         if request_ids:
             self._counts["num_requests_orphaned"] += len(request_ids)
-            logger.warning("aborted %d requests of ingress %s: %s", len(request_ids),
-                           outbox.owner, why)
+            logger.warning("aborted %d requests of ingress replica %s: %s", len(request_ids),
+                           outbox.owner.rpartition("-")[0], why)
 
     # ---- unary methods ----------------------------------------------------------
 

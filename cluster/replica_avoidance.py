@@ -26,6 +26,12 @@ def is_avoided(replica_id: str, now: float | None = None) -> bool:
 
 
 def any_avoided() -> bool:
+    """Whether any replica is avoided now; expired entries are dropped."""
+    if not _avoided_until:
+        return False
+    now = time.monotonic()
+    for replica_id in [r for r, until in _avoided_until.items() if until <= now]:
+        _avoided_until.pop(replica_id, None)
     return bool(_avoided_until)
 
 

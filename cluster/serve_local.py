@@ -172,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
              log_to_driver=ns.verbose)
     # NOTE: again: ray.init installs its own SIGTERM handler (sys.exit(15)).
     _stop_on_signals(stop)
+    if reaper is not None and reaper.poll() is not None:
+        print("warning: the watchdog that ends Ray's processes if this launcher dies did "
+              f"not start (exit {reaper.returncode}); a SIGKILL may leave them running",
+              file=sys.stderr, flush=True)
     try:
         base = f"http://{host}:{port}"
         print(f"Front door: {front_door} ({why})", flush=True)

@@ -4,7 +4,8 @@
 Rows, each at every `--temperatures` value (0: greedy, sent as 0; 1: sent as
 nothing, so the server's default 1.0, what OpenAI clients and vLLM's benchmark
 client send):
-- the offline AsyncEngine (no HTTP), with the app's engine defaults;
+- the offline AsyncEngine (no HTTP), with the engine's defaults: torch's own thread
+  count (every core), where the served engine gets `engine_num_cpus` threads;
 - the app through the local launcher (`python -m cluster.serve_local`) once per
   `--variant`: by default `make serve`'s own defaults, and Serve's Python proxy
   (`--front-door serve-proxy`), the fallback;

@@ -38,14 +38,15 @@ def role_of(cmdline: str, comm: str) -> str:
     return "ray"
 
 
-def _descendants(root_pid: int) -> dict[int, tuple[str, float]]:
-    """pid -> (role, CPU seconds) for root_pid and everything below it."""
+def _descendants(root_pid: int) -> dict[tuple[int, int], tuple[str, float]]:
+    """(pid, start time) -> (role, CPU seconds) for root_pid and everything below it.
+    NOTE: keyed with the start time too: a pid reused during a run is another process."""
     table = read_process_table()
     out = {}
     for pid in [root_pid, *descendants(table, root_pid)]:
         info = table.get(pid)
         if info is not None:
-            out[pid] = (role_of(cmdline(pid), info.comm), info.cpu_s)
+            out[(pid, info.start_ticks)] = (role_of(cmdline(pid), info.comm), info.cpu_s)
     return out
 
 
@@ -54,7 +55,7 @@ class ProcessCpu:
     """CPU seconds per role between `start()` and `take()`."""
     root_pid: int
     available: bool = field(default_factory=lambda: os.path.isdir("/proc/self"))
-    _before: dict[int, tuple[str, float]] = field(default_factory=dict)
+    _before: dict[tuple[int, int], tuple[str, float]] = field(default_factory=dict)
     _client_before: float = 0.0
 
     def start(self) -> "ProcessCpu":
@@ -69,8 +70,8 @@ class ProcessCpu:
         if not self.available:
             return {}
         seconds = dict.fromkeys(ROLES, 0.0)
-        for pid, (role, cpu) in _descendants(self.root_pid).items():
-            before = self._before.get(pid)
+        for key, (role, cpu) in _descendants(self.root_pid).items():
+            before = self._before.get(key)
             seconds[role] += cpu - (before[1] if before is not None else 0.0)
         seconds["client"] = _own_cpu_s() - self._client_before
         return seconds

@@ -9,6 +9,12 @@ cache just large enough for it, and takes the cache's own bytes off the peak.
 Memory outside torch's allocator (CUDA context, other processes) counts as used.
 The profiling forward runs on any device (CPU tests check its inputs); only the
 measurement needs CUDA.
+
+NOTE: the step's sequences are short and fresh, so it does not measure one prompt
+chunk attending over a long cached context. Flash-attn and our Triton kernels need
+no temporaries that grow with that context; the plain torch backend does (a masked
+(heads, chunk, context) score matrix per layer): with it on CUDA, lower
+`gpu_memory_utilization` or set `kv_cache_gib`.
 """
 from __future__ import annotations
 

@@ -243,18 +243,19 @@ def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tenso
     as float32 (ids are exact in float32 below 2**24): one tensor, one host copy.
     Raises SamplingOutOfMemory when the batch cannot get memory.
     """
-    # NOTE: logprobs come after the draw: a failure there must not leave seeded
-    # generators one draw ahead of the retry. Penalties and top-k/top-p fail before
-    # the draw; only the draw's own temporaries come after a seeded row's numbers
-    # (its retry then draws anew: a valid sample, not the undisturbed run's).
-    states = ([(gen, gen.get_state()) for _, gen in sb.seeded_rows]
-              if sb.seeded_rows and sb.needs_logprobs else None)
+    # NOTE: a failure after a seeded row drew its numbers (the draw's temporaries,
+    # logprobs) must not leave its generator one draw ahead of the retry: its
+    # tokens stay those of an undisturbed run. A generator's state is small (16 bytes
+    # on CUDA, 5 KB on CPU) and only seeded rows have one.
+    states = [(gen, gen.get_state()) for _, gen in sb.seeded_rows] if sb.seeded_rows else None
     try:
         return _sample_no_sync(logits, sb)
-    except (MemoryError, torch.OutOfMemoryError) as e:
+    except BaseException as e:
         for gen, state in states or ():
             gen.set_state(state)
-        raise _out_of_memory(e, "sampling", sb.num_rows) from e
+        if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+            raise _out_of_memory(e, "sampling", sb.num_rows) from e
+        raise
 
 
 def _sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:

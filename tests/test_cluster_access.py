@@ -227,5 +227,7 @@ def test_an_ingress_without_a_key_applies_the_no_key_rule_itself(monkeypatch):
     assert ingress._access_mode("ab" * 32, allow_unauthenticated=False) == (bytes.fromhex("ab" * 32), False)
     monkeypatch.setattr(ingress, "serve_http_host", lambda: "127.0.0.1")
     assert ingress._access_mode(None, allow_unauthenticated=False) == (None, True)
-    monkeypatch.setattr(ingress, "serve_http_host", lambda: None)  # unknown: fail closed
-    assert ingress._access_mode(None, allow_unauthenticated=False) == (None, True)
+    monkeypatch.setattr(ingress, "serve_http_host", lambda: None)  # unknown: refuse
+    with pytest.raises(ValueError, match="could not be learned"):
+        ingress._access_mode(None, allow_unauthenticated=False)
+    assert ingress._access_mode(None, allow_unauthenticated=True) == (None, False)

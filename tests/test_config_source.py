@@ -106,3 +106,16 @@ def test_old_launcher_flags_still_work():
 
     args, _, _ = app_args(parse_args(["--release-per-window", "--no-async-output"]))
     assert args == {"release_per_step": False, "async_output": False}
+
+
+def test_admissions_keep_room_below_engine_max_ongoing_requests():
+    """16 slots for unary calls and one per ingress replica's channel are kept from
+    admissions: a smaller bound leaves no room to admit, and is refused."""
+    from pydantic import ValidationError
+
+    from cluster.app import AppArgs
+
+    with pytest.raises(ValidationError, match="engine_max_ongoing_requests must be > 17"):
+        AppArgs(engine_max_ongoing_requests=17)
+    assert AppArgs(engine_max_ongoing_requests=18).engine_max_admitted == 1
+    assert AppArgs(num_ingress_replicas=4).engine_max_admitted == 2 * 256

@@ -59,15 +59,15 @@ def _wait_gone(started: dict[int, int], timeout_s: float) -> dict[int, int]:
     return alive(started)
 
 
+def _named(pids) -> dict[int, str]:
+    """pid -> command line of those still readable."""
+    from cluster.process_table import cmdline
+
+    return {pid: name[:80] for pid in pids if (name := cmdline(pid))}
+
+
 def _names(pids) -> list[str]:
-    names = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                names.append(f.read().replace(b"\0", b" ").decode()[:80])
-        except OSError:
-            pass
-    return names
+    return list(_named(pids).values())
 
 
 def test_sigterm_shuts_serve_then_ray_down_and_exits_0(tmp_path):
@@ -96,7 +96,7 @@ def test_sigkill_of_the_launcher_leaves_nothing_behind(tmp_path):
     started = descendants(proc.pid)
     try:
         assert any("haproxy" in n for n in _names(started)), _names(started)
-        reaper = [p for p, n in zip(started, _names(started)) if "process_reaper" in n]
+        reaper = [p for p, n in _named(started).items() if "process_reaper" in n]
         proc.kill()  # SIGKILL: no clean-up of its own
         proc.wait(10)
         left = _wait_gone(started, 45)
