@@ -29,15 +29,18 @@ API_KEY_ENV = "STEPSTREAM_API_KEY"
 JSON_MEDIA_TYPE = "application/json"
 
 
+def key_digest(key: str) -> bytes:
+    """A key's SHA-256: what configs carry, and what the ingress compares."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
 def key_sha256_hex(api_key: str | None, api_key_sha256: str | None) -> str | None:
     """The key's SHA-256 (hex), from the config or this process's environment;
     None when no key is set anywhere here."""
     if api_key_sha256:
         return api_key_sha256.lower()
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    if not api_key:
-        return None
-    return hashlib.sha256(api_key.encode("utf-8", "surrogatepass")).hexdigest()
+    return key_digest(api_key).hex() if api_key else None
 
 
 def is_loopback(host: str) -> bool:

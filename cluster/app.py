@@ -74,8 +74,7 @@ class AppArgs(EngineArgs):
     request_timeout_s: float | None = Field(None, gt=0.0)
     # A request that has no first token this long after it was validated and
     # tokenized (queued in Serve or in the engine, then its prefill) gets 503 +
-    # Retry-After and is aborted.
-    # None: no limit.
+    # Retry-After and is aborted. None: no limit.
     queue_timeout_s: float | None = Field(300.0, gt=0.0)
     # Test-only: lets EngineReplica.inject_fault break the engine (cluster/faults.py).
     enable_fault_injection: bool = False
@@ -109,7 +108,7 @@ class AppArgs(EngineArgs):
         self.engine_config()  # raises ValueError naming the bad field
         if self.autoscaling is not None and self.num_engine_replicas != 1:
             raise ValueError("set either autoscaling or num_engine_replicas, not both")
-        reserved = _UNARY_HEADROOM + self.num_ingress_replicas
+        reserved = self.engine_reserved_slots
         if (self.engine_max_ongoing_requests is not None
                 and self.engine_max_ongoing_requests <= reserved):
             raise ValueError(
@@ -148,18 +147,24 @@ class AppArgs(EngineArgs):
         return EngineConfig(**self.engine_config_dict())
 
     @property
+    def engine_reserved_slots(self) -> int:
+        """Slots of an engine replica kept from admissions: unary calls, one channel
+        per ingress replica."""
+        return _UNARY_HEADROOM + self.num_ingress_replicas
+
+    @property
     def engine_max_ongoing(self) -> int:
         # The engine queues what it cannot run yet (and refuses past its bounds with
         # 429), so Serve must let that many requests through to the replica.
         return self.engine_max_ongoing_requests or (
             self.max_num_seqs + (self.max_waiting_requests or self.max_num_seqs)
-            + _UNARY_HEADROOM + self.num_ingress_replicas)
+            + self.engine_reserved_slots)
 
     @property
     def engine_max_admitted(self) -> int:
-        """Admitted requests an engine replica holds at most: its slots less those kept
-        for unary calls and channels (past it: 429 + Retry-After)."""
-        return self.engine_max_ongoing - _UNARY_HEADROOM - self.num_ingress_replicas
+        """Admitted requests an engine replica holds at most: its slots less the
+        reserved ones (past it: 429 + Retry-After)."""
+        return self.engine_max_ongoing - self.engine_reserved_slots
 
     def engine_options(self) -> dict:
         max_ongoing = self.engine_max_ongoing

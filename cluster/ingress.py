@@ -12,7 +12,6 @@ All checks happen BEFORE the replica is called; errors are OpenAI-shaped 4xx
 # as a class, not a string, through Serve's class-based views.
 import asyncio
 import contextvars
-import hashlib
 import hmac
 import logging
 import time
@@ -26,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, StreamingResponse
 
 from cluster.access import (API_KEY_ENV, check_access, is_json_content_type, is_loopback,
-                            is_loopback_host_header, serve_http_host)
+                            is_loopback_host_header, key_digest, serve_http_host)
 from cluster.errors import ApiError, bad_request
 from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                      validation_error_message)
@@ -78,10 +77,6 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 def _unauthorized() -> ApiError:
     return ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
                     code="invalid_api_key")
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 def _access_mode(api_key_sha256: str | None, allow_unauthenticated: bool,
@@ -138,7 +133,7 @@ def _is_authorized(request: Request) -> bool:
         return False
     # Digests of equal length compared in constant time: neither the key nor its
     # length leaks through timing.
-    return hmac.compare_digest(_digest(token.strip()), expected)
+    return hmac.compare_digest(key_digest(token.strip()), expected)
 
 
 async def _await(response) -> object:

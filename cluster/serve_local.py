@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import signal
@@ -29,7 +28,7 @@ import urllib.error
 import urllib.request
 
 from cluster import process_reaper
-from cluster.access import API_KEY_ENV, check_access
+from cluster.access import API_KEY_ENV, check_access, key_digest
 from cluster.engine_args import add_engine_flags, engine_flag_values
 from cluster.front_door import FRONT_DOORS, front_door_env, resolve_front_door
 
@@ -98,7 +97,7 @@ def _use_key(args: dict, key: str | None) -> None:
     if not key:
         return
     args.pop("api_key", None)
-    args["api_key_sha256"] = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    args["api_key_sha256"] = key_digest(key).hex()
 
 
 def wait_healthy(base: str, timeout_s: float, stop: threading.Event | None = None) -> bool:
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.app import AppArgs, make_app
 
     app_cfg = AppArgs.model_validate(args)  # fail fast, before Ray starts
-    has_key = bool(app_cfg.api_key or app_cfg.api_key_sha256)
+    has_key = app_cfg.api_key_digest() is not None
     try:
         warning = check_access(host, has_key, app_cfg.allow_unauthenticated)
     except ValueError as e:

@@ -27,8 +27,8 @@ from tqdm.asyncio import tqdm
 
 from loadtests import datasets
 from loadtests.client import RequestRecord, RequestSpec, failed_record, send_request
-from loadtests.metrics import format_result_block, summarize
-from loadtests.process_cpu import ProcessCpu, format_cpu_block, per_token_us
+from loadtests.metrics import format_cpu_block, format_result_block, summarize
+from loadtests.process_cpu import ProcessCpu, per_token_us
 from loadtests.openai_stream import COMPLETIONS, CHAT_COMPLETIONS, join_url
 
 

@@ -195,3 +195,12 @@ def format_result_block(s: BenchmarkSummary) -> str:
             lines.append(_row(f"P{_percentile_word(p)} {short} (ms):", value))
     lines.append("=" * BLOCK_WIDTH)
     return "\n".join(lines)
+
+
+def format_cpu_block(cpu_us: dict[str, float]) -> str:
+    """CPU microseconds per output token by process role (loadtests/process_cpu.py),
+    in the result block's layout, to print under it."""
+    lines = [_section(" CPU us per output token ", "-")]
+    lines += [_row(f"{role}:", float(us)) for role, us in cpu_us.items()]
+    lines.append(_section("", "="))
+    return "\n".join(lines)

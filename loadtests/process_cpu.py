@@ -90,12 +90,3 @@ def per_token_us(seconds: dict[str, float], num_output_tokens: int) -> dict[str,
     out["server"] = sum(v for role, v in out.items() if role != "client")
     return out
 
-
-def format_cpu_block(cpu_us: dict[str, float]) -> str:
-    """The CPU table under the benchmark's result block."""
-    lines = ["{s:{c}^{n}}".format(s=" CPU us per output token ", n=50, c="-")]
-    for role in (*ROLES, "server"):
-        if role in cpu_us:
-            lines.append("{:<40}{:<10.1f}".format(f"{role}:", cpu_us[role]))
-    lines.append("=" * 50)
-    return "\n".join(lines)

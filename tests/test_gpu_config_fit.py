@@ -20,9 +20,8 @@ MIB = 2**20
 # The cluster YAML each GPU serve config is deployed with (its header says so).
 CLUSTER_OF = {"serve-gpu.yaml": "cluster.yaml"}
 # GPU memory per instance type, as torch.cuda.mem_get_info reports the total (what
-# gpu_memory_utilization is a share of). g6e.2xlarge: 1x NVIDIA L40S, "48 GB"
-# (aws.amazon.com/ec2/instance-types/g6e, NVIDIA's L40S datasheet); with ECC on,
-# nvidia-smi shows 46,068 MiB per L40S (e.g. akash-network/provider-configs#99).
+# gpu_memory_utilization is a share of). g6e.2xlarge: 1x NVIDIA L40S, sold as
+# "48 GB"; with ECC on, the device reports 46,068 MiB.
 GPU_MEMORY_BYTES = {"g6e.2xlarge": 46068 * MIB}
 CPU_INSTANCE_TYPES = {"m7i.4xlarge"}
 # config.json of each checkpoint a GPU config names (meta-llama/Llama-3.1-8B-Instruct

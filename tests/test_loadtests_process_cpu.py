@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from loadtests.process_cpu import ProcessCpu, format_cpu_block, per_token_us, role_of
+from loadtests.metrics import format_cpu_block
+from loadtests.process_cpu import ProcessCpu, per_token_us, role_of
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
