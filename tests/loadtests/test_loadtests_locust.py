@@ -11,7 +11,7 @@ from pathlib import Path
 
 from loadtests.fake_server import FakeServerConfig, FakeServerThread
 
-LOCUSTFILE = Path(__file__).resolve().parent.parent / "loadtests" / "locustfile.py"
+LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
 
 
 def _locust(args: list[str], cwd: Path, timeout_s: float = 60.0) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ from tests.deltas_tokenizers import (
     sentencepiece_tokenizer,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROPERTY_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 TEXTS = st.one_of(st.sampled_from(SAMPLE_TEXTS), st.text(max_size=40))
 

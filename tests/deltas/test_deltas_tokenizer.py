@@ -12,7 +12,7 @@ from tokenizers import processors
 from deltas.tokenization.tokenizer import Tokenizer
 from tests.deltas_tokenizers import SAMPLE_TEXTS, byte_level_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Exercises what real templates use: loop controls, namespace, tojson, raise_exception,
 # bos_token, a {% generation %} block, system-message handling and trim/lstrip rules.

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SERVE_CONFIGS = ["serve.yaml", "serve-gpu.yaml"]
 CLUSTER_CONFIGS = ["cluster.yaml", "cluster-local.yaml"]
 

@@ -290,7 +290,7 @@ def test_trust_remote_code_does_not_exist():
 
     with pytest.raises(ValidationError):
         AppArgs(trust_remote_code=True)
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     users = [str(p) for d in ("cluster", "replicas", "deltas") for p in (root / d).rglob("*.py")
              if "trust_remote_code" in p.read_text()]
     assert not users, users

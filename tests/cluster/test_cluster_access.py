@@ -77,7 +77,7 @@ def test_configs_follow_the_no_key_rule(monkeypatch, name, needs_key):
 
     import yaml
 
-    config = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1] / "configs" /
+    config = yaml.safe_load((pathlib.Path(__file__).resolve().parents[2] / "configs" /
                              name).read_text())
     args = config["applications"][0]["args"]
     monkeypatch.delenv(access.API_KEY_ENV, raising=False)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from replicas import presets, random_checkpoint
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL_BASE = dict(vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=96, max_position_embeddings=128,
                   rope_theta=10000.0, rms_norm_eps=1e-6)

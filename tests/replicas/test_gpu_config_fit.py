@@ -15,7 +15,7 @@ from replicas.kv_budget import (DTYPE_BYTES, GIB, DeviceMemory, blocks_per_seque
                                 bytes_per_block, gpu_kv_cache_bytes, sampler_headroom_bytes)
 from replicas.models.model_config import ModelConfig
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MIB = 2**20
 # The cluster YAML each GPU serve config is deployed with (its header says so).
 CLUSTER_OF = {"serve-gpu.yaml": "cluster.yaml"}
