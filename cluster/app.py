@@ -54,6 +54,13 @@ class AppArgs(EngineArgs):
     engine_num_cpus: float = Field(1.0, ge=0.0)
     engine_num_gpus: float = Field(0.0, ge=0.0)
     autoscaling: dict[str, Any] | None = None  # Serve autoscaling_config of the engine
+    engine_resources: dict[str, float] | None = Field(
+        None, description="custom Ray resources each engine replica needs (`ray start "
+        "--resources`): only nodes that have them run it, e.g. `{engine_node: 1}`; GPUs "
+        "choose their nodes without it")
+    ingress_resources: dict[str, float] | None = Field(
+        None, description="the same for ingress replicas, e.g. `{ingress_node: 1}` given to "
+        "the head node only")
     num_ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.5, ge=0.0)
     ingress_max_ongoing_requests: int = Field(1000, ge=1)
@@ -171,6 +178,8 @@ class AppArgs(EngineArgs):
         actor = {"num_cpus": self.engine_num_cpus}
         if self.engine_num_gpus:
             actor["num_gpus"] = self.engine_num_gpus
+        if self.engine_resources:
+            actor["resources"] = dict(self.engine_resources)
         options = {"ray_actor_options": actor, "max_ongoing_requests": max_ongoing,
                    "request_router_config": RequestRouterConfig(
                        request_router_class=ROUTER_PATH,
@@ -192,8 +201,10 @@ class AppArgs(EngineArgs):
                 "imbalance_threshold": self.prefix_routing_imbalance}
 
     def ingress_options(self) -> dict:
-        return {"num_replicas": self.num_ingress_replicas,
-                "ray_actor_options": {"num_cpus": self.ingress_num_cpus},
+        actor = {"num_cpus": self.ingress_num_cpus}
+        if self.ingress_resources:
+            actor["resources"] = dict(self.ingress_resources)
+        return {"num_replicas": self.num_ingress_replicas, "ray_actor_options": actor,
                 "max_ongoing_requests": self.ingress_max_ongoing_requests,
                 "max_queued_requests": self.ingress_max_queued_requests,
                 "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
