@@ -266,7 +266,8 @@ class _HealthCache:
 
 # NOTE: the class comes last: serve.ingress copies the route methods with a snapshot
 # of the module globals taken here, so every helper they use must be defined above.
-@serve.deployment(name="Ingress", max_ongoing_requests=1000)
+# NOTE: deployment options only in `AppArgs.ingress_options` (cluster/app.py), which sets them.
+@serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
     def __init__(self, engine, served_model_name: str, model: str,

@@ -11,17 +11,21 @@ names the field the client sent. Responses are built as plain dicts in
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator)
 
-from replicas.config import INT64_MAX, MAX_LOGPROBS  # plain data: no torch
+from replicas.config import INT64_MAX, MAX_LOGPROBS, SamplingParams  # plain data: no torch
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+# A sampling field the client leaves out takes the engine's default: declared once,
+# in `SamplingParams`.
+_ENGINE_DEFAULT = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
 class StreamOptions(BaseModel):
@@ -37,18 +41,18 @@ class _SamplingFields(BaseModel):
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
+    temperature: float = _ENGINE_DEFAULT["temperature"]
+    top_p: float = _ENGINE_DEFAULT["top_p"]
+    top_k: int = _ENGINE_DEFAULT["top_k"]
+    min_p: float = _ENGINE_DEFAULT["min_p"]
+    seed: int | None = _ENGINE_DEFAULT["seed"]
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    ignore_eos: bool = _ENGINE_DEFAULT["ignore_eos"]
+    presence_penalty: float = _ENGINE_DEFAULT["presence_penalty"]
+    frequency_penalty: float = _ENGINE_DEFAULT["frequency_penalty"]
+    repetition_penalty: float = _ENGINE_DEFAULT["repetition_penalty"]
+    min_tokens: int = _ENGINE_DEFAULT["min_tokens"]
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

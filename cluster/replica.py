@@ -46,8 +46,8 @@ _COUNTS = ("num_requests_admitted", "num_requests_refused", "num_requests_finish
            "num_step_messages_sent", "num_deltas_sent")
 
 
-@serve.deployment(name="EngineReplica", max_ongoing_requests=512,
-                  health_check_period_s=10, health_check_timeout_s=30)
+# NOTE: deployment options only in `AppArgs.engine_options` (cluster/app.py), which sets them.
+@serve.deployment(name="EngineReplica")
 class EngineReplica:
     def __init__(self, engine_config: dict, channel_idle_close_s: float = 5.0,
                  ingress_detach_timeout_s: float = 30.0, owner_check_interval_s: float = 2.0,
