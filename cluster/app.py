@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from cluster.access import API_KEY_ENV
 from cluster.engine_args import EngineArgs, engine_config_dict
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES, Ingress
 from cluster.replica import EngineReplica
@@ -35,25 +36,32 @@ class AppArgs(EngineArgs):
 
     model_config = ConfigDict(extra="forbid")
 
-    served_model_name: str | None = None  # default: `model`
-    # The per-step channel between engine and ingress replicas. An idle channel
-    # closes after this long (so it never holds a draining replica) and reopens on
-    # demand.
-    channel_idle_close_s: float = Field(5.0, gt=0.0)
-    # Requests whose ingress left them with no channel this long are aborted (an
-    # ingress that died is also noticed by pinging it every few seconds).
-    ingress_detach_timeout_s: float = Field(30.0, gt=0.0)
-    # Prefix-aware routing across engine replicas: prompts whose first
-    # `prefix_routing_tokens` tokens (whole KV blocks) agree go to the same replica,
-    # unless its queue is `prefix_routing_imbalance` requests longer than the
-    # shortest. 0: Serve's power of two choices only.
-    prefix_routing_tokens: int = Field(256, ge=0)
-    prefix_routing_imbalance: int = Field(8, ge=0)
+    # Each description is the field's line in cluster/README.md's table
+    # (cluster/args_table.py writes it).
+    served_model_name: str | None = Field(
+        None, description="the `model` clients must send (404 otherwise); null: `model`")
+    # The per-step channel between engine and ingress replicas.
+    channel_idle_close_s: float = Field(
+        5.0, gt=0.0, description="a per-step channel with no requests closes after this long "
+        "(so it never holds a draining replica) and reopens on demand")
+    ingress_detach_timeout_s: float = Field(
+        30.0, gt=0.0, description="requests whose ingress left them with no channel this long "
+        "are aborted (a dead ingress is also noticed by pinging it every few seconds)")
+    prefix_routing_tokens: int = Field(
+        256, ge=0, description="with several engine replicas, prompts whose first whole KV "
+        "blocks (up to this many tokens) agree go to the same replica, unless its queue is "
+        "longer than the shortest by more than prefix_routing_imbalance; 0: Serve's power of "
+        "two choices only")
+    prefix_routing_imbalance: int = Field(
+        8, ge=0, description="see prefix_routing_tokens")
     # Deployments.
-    num_engine_replicas: int = Field(1, ge=1)
-    engine_num_cpus: float = Field(1.0, ge=0.0)
-    engine_num_gpus: float = Field(0.0, ge=0.0)
-    autoscaling: dict[str, Any] | None = None  # Serve autoscaling_config of the engine
+    num_engine_replicas: int = Field(1, ge=1, description="engine replicas (or autoscaling)")
+    engine_num_cpus: float = Field(1.0, ge=0.0, description="CPUs per engine replica")
+    engine_num_gpus: float = Field(
+        0.0, ge=0.0, description="GPUs per engine replica; > 0 makes the default device cuda")
+    autoscaling: dict[str, Any] | None = Field(
+        None, description="a Serve `autoscaling_config` for the engine deployment, instead of "
+        "num_engine_replicas")
     engine_resources: dict[str, float] | None = Field(
         None, description="custom Ray resources each engine replica needs (`ray start "
         "--resources`): only nodes that have them run it, e.g. `{engine_node: 1}`; GPUs "
@@ -61,39 +69,57 @@ class AppArgs(EngineArgs):
     ingress_resources: dict[str, float] | None = Field(
         None, description="the same for ingress replicas, e.g. `{ingress_node: 1}` given to "
         "the head node only")
-    num_ingress_replicas: int = Field(1, ge=1)
-    ingress_num_cpus: float = Field(0.5, ge=0.0)
-    ingress_max_ongoing_requests: int = Field(1000, ge=1)
-    engine_max_ongoing_requests: int | None = Field(None, ge=1)
-    # Bounds on what Serve queues in front of a busy deployment (past them its own
-    # 503): memory stays bounded under any burst. -1: unbounded (Serve's default).
-    ingress_max_queued_requests: int = Field(1000, ge=-1)
-    engine_max_queued_requests: int = Field(1000, ge=-1)
-    health_check_period_s: float = Field(10.0, gt=0.0)
-    health_check_timeout_s: float = Field(30.0, gt=0.0)
-    # The engine is unhealthy when it made no progress this long with work queued.
-    stall_timeout_s: float = Field(60.0, gt=0.0)
-    # Streams are long: replicas being replaced drain this long before being killed.
-    # Keep it >= request_timeout_s (the longest stream we allow).
-    graceful_shutdown_timeout_s: float = Field(600.0, ge=0.0)
-    # A request still generating this long after its first token ends with a 504
-    # error (an SSE error event once streaming) and is aborted. None: no limit.
-    request_timeout_s: float | None = Field(None, gt=0.0)
-    # A request that has no first token this long after it was validated and
-    # tokenized (queued in Serve or in the engine, then its prefill) gets 503 +
-    # Retry-After and is aborted. None: no limit.
-    queue_timeout_s: float | None = Field(300.0, gt=0.0)
-    # Test-only: lets EngineReplica.inject_fault break the engine (cluster/faults.py).
-    enable_fault_injection: bool = False
-    # HTTP.
-    # Also env STEPSTREAM_API_KEY. NOTE: repr=False: the key never reaches a log.
-    api_key: str | None = Field(None, repr=False)
-    # Or only its SHA-256 (hex): the key itself then appears in no config.
-    api_key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
-    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
-    # Without a key the app serves on loopback only, unless this says otherwise
-    # (cluster/access.py); checked against the running Serve's HTTP host.
-    allow_unauthenticated: bool = False
+    num_ingress_replicas: int = Field(1, ge=1, description="ingress (HTTP) replicas")
+    ingress_num_cpus: float = Field(0.5, ge=0.0, description="CPUs per ingress replica")
+    ingress_max_ongoing_requests: int = Field(
+        1000, ge=1, description="requests one ingress replica serves at once")
+    engine_max_ongoing_requests: int | None = Field(
+        None, ge=1, description=f"requests Serve lets through to one engine replica; null: "
+        f"max_num_seqs + max_waiting_requests (or 2 x max_num_seqs) + the slots kept from "
+        f"admissions ({_UNARY_HEADROOM} for unary calls, one per ingress replica for its "
+        f"channel), so the engine, not Serve's router, decides about overload; past "
+        f"admissions' share a replica answers 429 + Retry-After")
+    # Bounds on what Serve queues in front of a busy deployment: memory stays
+    # bounded under any burst.
+    ingress_max_queued_requests: int = Field(
+        1000, ge=-1, description="what Serve queues in front of the busy ingress deployment; "
+        "past it Serve answers 503 (-1: unbounded)")
+    engine_max_queued_requests: int = Field(
+        1000, ge=-1, description="the same in front of the engine deployment")
+    health_check_period_s: float = Field(
+        10.0, gt=0.0, description="Serve's health checks of engine replicas (one that keeps "
+        "failing them is replaced)")
+    health_check_timeout_s: float = Field(30.0, gt=0.0, description="see health_check_period_s")
+    stall_timeout_s: float = Field(
+        60.0, gt=0.0, description="the engine is unhealthy after this long without progress "
+        "while work is queued; its streams end with an error event and Serve replaces it")
+    # Streams are long: replicas being replaced drain before being killed.
+    graceful_shutdown_timeout_s: float = Field(
+        600.0, ge=0.0, description="how long replicas being replaced or scaled down let "
+        "streams finish (>= request_timeout_s, checked)")
+    request_timeout_s: float | None = Field(
+        None, gt=0.0, description="a request still generating this long after its first token "
+        "ends with 504 (an SSE error event once streaming) and is aborted; null: no limit")
+    queue_timeout_s: float | None = Field(
+        300.0, gt=0.0, description="a request with no first token this long after it was "
+        "validated and tokenized (queued in Serve or the engine, then its prefill) gets 503 + "
+        "Retry-After and is aborted; null: no limit")
+    enable_fault_injection: bool = Field(
+        False, description="test-only: lets `EngineReplica.inject_fault` break the engine "
+        "(cluster/faults.py)")
+    # HTTP. NOTE: repr=False: the key never reaches a log.
+    api_key: str | None = Field(
+        None, repr=False, description=f"when set (or the env var {API_KEY_ENV}), every route "
+        "but /health needs `Authorization: Bearer <key>`")
+    api_key_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-fA-F]{64}$", description="the key's SHA-256 (hex) instead of "
+        "the key: no secret in the config")
+    max_body_bytes: int = Field(
+        DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get 413")
+    # Checked against the running Serve's HTTP host (cluster/access.py).
+    allow_unauthenticated: bool = Field(
+        False, description="without a key the app serves on a loopback host only, unless "
+        "this is true")
 
     # The key's SHA-256, resolved once, when these args are validated (where the app
     # is built): from the config, else from this process's environment.

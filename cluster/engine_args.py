@@ -15,20 +15,46 @@ import dataclasses
 import types
 import typing
 
-from pydantic import BaseModel, ConfigDict, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from replicas.config import EngineConfig
+from replicas.config import ATTENTION_BACKENDS, CPU_KV_CACHE_GIB, EngineConfig
 
 ENGINE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineConfig))
 _HINTS = typing.get_type_hints(EngineConfig)
 # Defaults that differ from EngineConfig's, on purpose.
 DEVICE_DEFAULT = None  # None: "cuda" when engine_num_gpus > 0, else "cpu"
-# Launcher help where the name alone does not say enough.
+# What each field means, for the launcher's --help and the config table of
+# cluster/README.md (cluster/args_table.py). Ranges: EngineConfig checks them.
 _HELP = {
-    "model": "preset name (tiny, small) or a local HF directory",
-    "num_threads": "torch threads per engine replica (default: --engine-num-cpus on CPU)",
-    "device": "default: cuda when the engine replica has a GPU, else cpu",
-    "enforce_eager": "--enforce-eager: no CUDA graphs for decode",
+    "model": "a preset (tiny, small) or a local Hugging Face checkpoint directory",
+    "dtype": "auto: float32 on CPU, the checkpoint's dtype on CUDA (replicas/dtype_choice.py)",
+    "device": "null: cuda when the engine replica has a GPU (engine_num_gpus > 0), else cpu",
+    "max_model_len": "context length; null: the model's own",
+    "block_size": "tokens per KV cache block (a power of two)",
+    "num_kv_blocks": "KV cache blocks; null: sized by kv_cache_gib or gpu_memory_utilization",
+    "kv_cache_gib": f"KV cache in GiB: on CPU its size (null: {CPU_KV_CACHE_GIB:g} GiB); on CUDA a "
+                    "cap on what gpu_memory_utilization leaves (null: no cap)",
+    "gpu_memory_utilization": "CUDA: the share of device memory for the weights, the largest "
+                              "step, the sampler's headroom and the KV cache (what it leaves is "
+                              "for CUDA graphs); the profile assumes flash-attn or our Triton "
+                              "kernels: with attention_backend torch, lower it",
+    "max_num_seqs": "sequences per batch, per engine replica",
+    "max_num_batched_tokens": "tokens per engine step; longer prompts are prefilled in chunks",
+    "num_scheduler_steps": "decode steps per scheduling decision (multi-step decoding)",
+    "async_output": "process step k's outputs while step k+1 runs",
+    "release_per_step": "each decode step's tokens stream out as soon as the step is done "
+                        "(false: at the end of a multi-step window)",
+    "attention_backend": f"one of {', '.join(ATTENTION_BACKENDS)}",
+    "enforce_eager": "true: no CUDA graphs for decode",
+    "seed": "the engine's random seed (a request may bring its own)",
+    "max_waiting_requests": "engine queue bound: past it new requests get 429 + Retry-After; "
+                            "null: unbounded",
+    "max_waiting_prompt_tokens": "engine queue bound on prompt tokens waiting (429 past it); "
+                                 "null: unbounded",
+    "num_threads": "torch threads per engine replica; null: engine_num_cpus (at least 1) on "
+                   "CPU, torch's own on CUDA",
+    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes computed before (system "
+                             "prompts, chat turns)",
 }
 
 
@@ -46,7 +72,8 @@ def _annotation(f: dataclasses.Field):
 
 EngineArgs: type[BaseModel] = create_model(
     "EngineArgs", __config__=ConfigDict(extra="forbid"),
-    **{f.name: (_annotation(f), _default(f)) for f in dataclasses.fields(EngineConfig)})
+    **{f.name: (_annotation(f), Field(_default(f), description=_HELP.get(f.name)))
+       for f in dataclasses.fields(EngineConfig)})
 EngineArgs.__doc__ = "One field per EngineConfig field (see the module docstring)."
 
 

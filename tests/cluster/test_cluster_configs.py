@@ -38,10 +38,12 @@ def test_gpu_config_uses_one_gpu_per_replica_and_autoscales_1_to_8():
     from cluster.app import AppArgs
 
     args = AppArgs.model_validate(_load("serve-gpu.yaml")["applications"][0]["args"])
+    from ray.serve.config import AutoscalingConfig
+
     engine = args.engine_options()
     assert engine["ray_actor_options"]["num_gpus"] == 1
-    assert (engine["autoscaling_config"]["min_replicas"],
-            engine["autoscaling_config"]["max_replicas"]) == (1, 8)
+    autoscaling = AutoscalingConfig(**engine["autoscaling_config"])  # Serve's defaults filled in
+    assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 8)
     assert "target_ongoing_requests" in engine["autoscaling_config"]
     assert args.num_ingress_replicas > 1
     assert args.engine_config().device == "cuda" and args.dtype == "bfloat16"

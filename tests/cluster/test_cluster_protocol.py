@@ -278,6 +278,7 @@ def test_serve_local_flags_override_config(tmp_path):
                     "release_per_step": False, "async_output": False}
     args, host, port = app_args(parse_args(["--config", "configs/serve.yaml",
                                             "--max-num-seqs", "3"]))
-    assert args["model"] == "tiny" and args["max_num_seqs"] == 3 and port == 8000
+    assert args["max_num_seqs"] == 3 and port == 8000
+    assert "request_timeout_s" in args  # read from the config
     line = curl_line("http://127.0.0.1:8000", "tiny", has_key=False)
     assert line.startswith("curl -N http://127.0.0.1:8000/v1/completions") and '"stream": true' in line
