@@ -282,3 +282,14 @@ def test_serve_local_flags_override_config(tmp_path):
     assert "request_timeout_s" in args  # read from the config
     line = curl_line("http://127.0.0.1:8000", "tiny", has_key=False)
     assert line.startswith("curl -N http://127.0.0.1:8000/v1/completions") and '"stream": true' in line
+
+
+@pytest.mark.parametrize("request_class, body", [
+    (CompletionRequest, {"model": "tiny", "prompt": "hi"}),
+    (ChatCompletionRequest, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_sampling_fields_left_out_take_the_engines_defaults(request_class, body):
+    from replicas.config import SamplingParams
+
+    req = request_class.model_validate(body)
+    assert SamplingParams(**req.sampling_dict(16, None)) == SamplingParams(max_tokens=16)
