@@ -21,7 +21,7 @@ from typing import Any
 
 from cluster.errors import replica_cause_message
 from cluster.routing import PIN_KWARG
-from cluster.wire import decode_delta
+from cluster.wire import decode_step
 from deltas.collector import DeltaCollector
 
 logger = logging.getLogger("ray.serve")
@@ -97,13 +97,13 @@ class ChannelHub:
         collectors = self._collectors
         attached = self._attached[replica_id]
         async for message in gen:
-            for item in message:
-                collector = collectors.get(item[0])
+            for delta in decode_step(message):
+                collector = collectors.get(delta.request_id)
                 if collector is None:
                     continue  # the consumer left; the replica aborts it
-                if item[4] is not None:  # finished
-                    attached.discard(item[0])
-                collector.put(decode_delta(item))
+                if delta.finish_reason is not None:
+                    attached.discard(delta.request_id)
+                collector.put(delta)
 
     def _fail(self, replica_id: str, exc: BaseException) -> None:
         message = replica_cause_message(exc)

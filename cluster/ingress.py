@@ -1,8 +1,9 @@
 """Ingress: the OpenAI-compatible HTTP API, a Ray Serve deployment over FastAPI.
 
-Per request: auth -> read the body (size-bounded) -> validate (pydantic, then
-SamplingParams) -> chat template -> tokenize (off the event loop, after a cheap
-length check) -> check the context length -> admit an `EngineRequest` on an
+Per request: auth -> read the body (size-bounded) -> parse (pydantic: JSON types
+and the API's own fields) -> SamplingParams (their own rules) -> chat template ->
+tokenize (off the event loop, after a cheap length check) -> the model's limits
+(`replicas.request_validation.RequestLimits`) -> admit an `EngineRequest` on an
 EngineReplica through a Serve handle -> deltas on the per-step channel
 (cluster/channels, cluster/relay) -> text deltas -> SSE events or one JSON body.
 All checks happen BEFORE the replica is called; errors are OpenAI-shaped 4xx
@@ -35,6 +36,8 @@ from cluster.relay import Relay
 from cluster.sse import SSE_HEADERS, ChatFormatter, CompletionFormatter
 from cluster.streaming import json_body, sse_events
 from cluster.wire import EngineRequest
+from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
+from replicas.request_validation import RequestLimits
 from deltas.text_stream import TextStream
 
 logger = logging.getLogger("ray.serve")
@@ -155,24 +158,28 @@ def _parse(model_cls, body: bytes):
         raise bad_request(message, param) from None
 
 
-def _check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """The max_tokens to send: the request's, or what the context leaves. 400 if
-    the prompt plus the completion do not fit, saying the limits."""
-    if num_prompt_tokens >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt "
-            f"has {num_prompt_tokens} tokens, which leaves no room for a completion. "
-            "Please shorten the prompt.", "prompt", "context_length_exceeded")
-    if max_tokens is None:
-        return max_model_len - num_prompt_tokens
-    if isinstance(max_tokens, int) and max_tokens >= 1 and \
-            num_prompt_tokens + max_tokens > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt, {max_tokens} for the completion). Please reduce the prompt or "
-            "max_tokens.", "max_tokens", "context_length_exceeded")
-    return max_tokens
+def _bad_value(error: InvalidValue) -> ApiError:
+    message = str(error)
+    if error.code is None and error.param:
+        message = f"Invalid value for '{error.param}': {message}"
+    return bad_request(message, error.param, error.code)
+
+
+def _sampling_params(req) -> SamplingParams:
+    """The request's SamplingParams; a 400 naming the field the client sent."""
+    try:
+        return req.sampling_params()
+    except InvalidValue as e:
+        raise _bad_value(e) from None
+
+
+def _check_limits(limits: RequestLimits, prompt_ids: list[int], params: SamplingParams) -> int:
+    """The most output tokens the request may make; a 400 naming the field if the
+    model cannot run it (prompt ids, stop ids, prompt + max_tokens past the context)."""
+    try:
+        return limits.check(prompt_ids, params, must_fit=True)
+    except InvalidValue as e:
+        raise _bad_value(e) from None
 
 
 def _prompt_chars(req, chat: bool) -> int:
@@ -210,21 +217,6 @@ def _ingress_identity() -> tuple[str, object]:
         handle = None
     # NOTE: the suffix is this ingress's channel capability: 122 random bits, never logged.
     return f"{replica_id}-{uuid.uuid4().hex}", handle
-
-
-def _sampling_params(fields: dict, vocab_size: int) -> dict:
-    """Validate with the engine's own SamplingParams (it names the field)."""
-    from replicas.config import SamplingParams
-
-    try:
-        SamplingParams(**fields)
-    except ValueError as e:
-        message = str(e)
-        param = message.split(" ", 1)[0]
-        raise bad_request(f"Invalid value for '{param}': {message}", param) from None
-    if any(t >= vocab_size for t in fields["stop_token_ids"]):
-        raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
-    return fields
 
 
 HEALTH_CACHE_TTL_S = 1.0
@@ -298,6 +290,7 @@ class Ingress:
         self._request_timeout_s = request_timeout_s
         self._queue_timeout_s = queue_timeout_s
         self._model_info: dict | None = None
+        self._limits: RequestLimits | None = None  # from the engine's model_info
         self._created = int(time.time())
         app.state.api_key_digest, app.state.loopback_hosts_only = _access_mode(
             api_key_sha256, allow_unauthenticated)
@@ -361,18 +354,16 @@ class Ingress:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server "
                            f"serves '{self._served_model_name}'", param="model",
                            code="model_not_found")
+        params = _sampling_params(req)
         info = await self._info()
         self._check_prompt_chars(req, chat, info["max_model_len"])
         # NOTE: off the event loop: a long prompt or chat template must not stall
         # every other stream of this ingress.
-        prompt_ids = await asyncio.to_thread(self._prompt_ids, req, chat, info["vocab_size"])
-        max_tokens = req.requested_max_tokens if chat else req.max_tokens
-        logprobs = req.num_logprobs if chat else req.logprobs
-        max_tokens = _check_context(len(prompt_ids), max_tokens, info["max_model_len"])
-        sampling = _sampling_params(req.sampling_dict(max_tokens, logprobs), info["vocab_size"])
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, req, chat)
+        _check_limits(self._limits, prompt_ids, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         started_at = time.monotonic()
-        engine_request = EngineRequest(request_id, prompt_ids, sampling, self._channels.owner)
+        engine_request = EngineRequest(request_id, prompt_ids, params, self._channels.owner)
         text_stream = TextStream(self._tokenizer, stop=req.stop_strings,
                                  include_stop_str_in_output=req.include_stop_str_in_output,
                                  skip_special_tokens=req.skip_special_tokens)
@@ -382,7 +373,7 @@ class Ingress:
         formatter_cls = ChatFormatter if chat else CompletionFormatter
         formatter = formatter_cls(request_id, self._served_model_name, int(time.time()),
                                   include_usage=req.include_usage)
-        token_text = self._token_text if logprobs is not None else None
+        token_text = self._token_text if params.logprobs is not None else None
         if req.stream:
             events = sse_events(relay, formatter, chat, token_text, self._metrics, started_at,
                                 len(prompt_ids))
@@ -406,7 +397,7 @@ class Ingress:
                 f"tokens can hold (at most {max_chars} characters). Please shorten the prompt.",
                 "messages" if chat else "prompt", "context_length_exceeded")
 
-    def _prompt_ids(self, req, chat: bool, vocab_size: int) -> list[int]:
+    def _prompt_ids(self, req, chat: bool) -> list[int]:
         if chat:
             try:
                 text = self._tokenizer.apply_chat_template(req.template_messages(),
@@ -416,17 +407,17 @@ class Ingress:
             return self._tokenizer.encode(text, add_special_tokens=False)
         if isinstance(req.prompt, str):
             return self._tokenizer.encode(req.prompt, add_special_tokens=True)
-        ids = list(req.prompt)
-        if any(t < 0 or t >= vocab_size for t in ids):
-            raise bad_request(f"Prompt token ids must be in [0, {vocab_size})", "prompt")
-        return ids
+        return list(req.prompt)
 
     async def _info(self) -> dict:
         if self._model_info is None:
             try:
-                self._model_info = await self._engine.model_info.remote()
+                info = await self._engine.model_info.remote()
             except Exception as e:
                 raise replica_error(e) from None
+            self._limits = RequestLimits(info["vocab_size"], info["max_model_len"],
+                                         tuple(info["eos_token_ids"]))
+            self._model_info = info
         return self._model_info
 
     def _token_text(self, token_id: int) -> str:

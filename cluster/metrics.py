@@ -10,7 +10,12 @@ second (replica counters, from the stats thread).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ray.util import metrics
+
+if TYPE_CHECKING:
+    from cluster.replica_stats import ReplicaStats
 
 _LATENCY_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
               30.0, 60.0]
@@ -82,20 +87,22 @@ class ReplicaMetrics:
         for m in (self.num_running, self.num_waiting, self.kv_cache_usage, self.step_messages,
                   self.deltas_sent, self.num_channels):
             m.set_default_tags(tags)
-        self._last_totals = {"num_step_messages_sent": 0, "num_deltas_sent": 0}
+        self._last_step_messages = 0
+        self._last_deltas = 0
 
-    def record_stats(self, stats: dict) -> None:
-        self.num_running.set(stats.get("num_running", 0))
-        self.num_waiting.set(stats.get("num_waiting", 0))
-        self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
-        self.prefix_cache_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
-        self.num_cached_blocks.set(stats.get("num_cached_blocks", 0))
-        self.num_channels.set(stats.get("num_outboxes", 0))
+    def record_stats(self, stats: ReplicaStats) -> None:
+        engine, counts = stats.engine, stats.counts
+        self.num_running.set(engine.num_running)
+        self.num_waiting.set(engine.num_waiting)
+        self.kv_cache_usage.set(engine.kv_cache_usage)
+        self.prefix_cache_hit_rate.set(engine.prefix_cache_hit_rate)
+        self.num_cached_blocks.set(engine.num_cached_blocks)
+        self.num_channels.set(stats.num_outboxes)
         # NOTE: counters advance by what was sent since the last record, not per
         # message: a Ray metric record costs more than sending a step message.
-        for key, counter in (("num_step_messages_sent", self.step_messages),
-                             ("num_deltas_sent", self.deltas_sent)):
-            total = stats.get(key, 0)
-            if total > self._last_totals[key]:
-                counter.inc(total - self._last_totals[key])
-                self._last_totals[key] = total
+        if counts.num_step_messages_sent > self._last_step_messages:
+            self.step_messages.inc(counts.num_step_messages_sent - self._last_step_messages)
+            self._last_step_messages = counts.num_step_messages_sent
+        if counts.num_deltas_sent > self._last_deltas:
+            self.deltas_sent.inc(counts.num_deltas_sent - self._last_deltas)
+            self._last_deltas = counts.num_deltas_sent

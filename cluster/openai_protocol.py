@@ -3,11 +3,12 @@
 Strict on purpose: wrong JSON types are 400s, not silent coercions ("2" is not 2),
 unknown fields are 400s (as OpenAI itself answers), NaN and infinities are
 refused. Value ranges of the sampling fields are not repeated here:
-`replicas.config.SamplingParams` checks them and names the field, and the ingress
-turns its ValueError into a 400. Fields whose name differs from the engine's
-(chat's `top_logprobs`, `max_completion_tokens`) are checked here, so the error
-names the field the client sent. Responses are built as plain dicts in
-`cluster/sse.py` (cheaper than models on the per-chunk path).
+`sampling_params()` builds the engine's `replicas.config.SamplingParams`, whose
+own checks name the field, and the ingress turns the error into a 400. For fields
+whose name differs from the engine's (chat's `top_logprobs`,
+`max_completion_tokens`) the error names the field the client sent. Responses are
+built as plain dicts in `cluster/sse.py` (cheaper than models on the per-chunk
+path).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Literal, Union
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator)
 
-from replicas.config import INT64_MAX, MAX_LOGPROBS, SamplingParams  # plain data: no torch
+from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
@@ -99,17 +100,36 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_dict(self, max_tokens: int | None, logprobs: int | None) -> dict:
-        """Keyword arguments of `replicas.config.SamplingParams`."""
-        return {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "min_p": self.min_p, "seed": self.seed, "max_tokens": max_tokens,
-            "min_tokens": self.min_tokens, "stop_token_ids": tuple(self.stop_token_ids or ()),
-            "ignore_eos": self.ignore_eos, "logprobs": logprobs,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-        }
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The engine's `logprobs`: None, or how many alternatives per token."""
+        return None
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's sampling settings, checked by their own rules. Raises
+        InvalidValue naming the field the client sent."""
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                min_p=self.min_p, seed=self.seed, max_tokens=self.requested_max_tokens,
+                min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos, logprobs=self.num_logprobs,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty)
+        except InvalidValue as e:
+            sent = self._field_sent_for(e.param)
+            if sent == e.param:
+                raise
+            message = str(e).replace(f"{e.param} ", f"{sent} ", 1)
+            raise InvalidValue(message, sent, e.code) from None
+
+    def _field_sent_for(self, engine_field: str | None) -> str | None:
+        return engine_field
 
 
 class CompletionRequest(_SamplingFields):
@@ -121,6 +141,10 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -192,21 +216,9 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, k, info: ValidationInfo):
-        if k is None:
-            return k
-        if not info.data.get("logprobs", False):  # as OpenAI: never ignore a field
-            raise ValueError("top_logprobs requires logprobs to be true")
-        if not 0 <= k <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k}")
+        if k is not None and not info.data.get("logprobs", False):
+            raise ValueError("top_logprobs requires logprobs to be true")  # as OpenAI
         return k
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _max_completion_tokens(cls, n):
-        if n is not None and not 1 <= n <= INT64_MAX:
-            raise ValueError(f"max_completion_tokens must be null or an integer in "
-                             f"[1, 2**63 - 1], got {n}")
-        return n
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -218,7 +230,14 @@ class ChatCompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
             return None
-        return self.top_logprobs or 0
+        return 0 if self.top_logprobs is None else self.top_logprobs
+
+    def _field_sent_for(self, engine_field: str | None) -> str | None:
+        if engine_field == "logprobs":
+            return "top_logprobs"
+        if engine_field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return engine_field
 
     def template_messages(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

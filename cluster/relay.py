@@ -29,7 +29,7 @@ from typing import AsyncIterator
 from cluster.channels import ChannelHub
 from cluster.errors import ApiError, ReplicaUnavailable, replica_cause, replica_error
 from cluster.replica_avoidance import avoid_replica
-from cluster.wire import EngineRequest
+from cluster.wire import EngineRequest, encode_request
 from deltas.collector import DeltaCollector
 from deltas.types import FinishReason, TextDelta, TokenDelta
 
@@ -81,8 +81,9 @@ class Relay:
         return relay
 
     async def _admit(self, engine_stream, request: EngineRequest) -> None:
+        wire = encode_request(request)
         for attempt in range(MAX_ADMISSION_ATTEMPTS):
-            self._call = engine_stream.generate.remote(request.to_wire())
+            self._call = engine_stream.generate.remote(wire)
             try:
                 replica_id = await self._call.__anext__()
                 break

@@ -11,7 +11,7 @@ Token ids in, token deltas out, over two kinds of calls:
 - `channel(owner)`, one per (ingress replica, engine replica) pair, pinned to
   this replica by `cluster.routing.PinnedRouter`: a greeting, then one message
   per engine step carrying every delta of that ingress's requests
-  (`cluster/outbox.py`, `cluster/wire.py`). It ends after `channel_idle_close_s`
+  (`cluster/outbox.py`; the messages are declared in `cluster/wire.py`). It ends after `channel_idle_close_s`
   without requests, so an idle channel never holds a draining replica; the
   ingress reopens it on demand.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import threading
 import time
@@ -37,13 +38,10 @@ from cluster.errors import ReplicaOverloaded, ReplicaRejected, ReplicaUnavailabl
 from cluster.faults import FaultInjector, fault_injection_enabled
 from cluster.outbox import OutboxRegistry, OutboxSink, StepOutbox
 from cluster.owner_liveness import find_dead_owners, is_live_ingress_replica
-from cluster.wire import EngineRequest
+from cluster.replica_stats import ReplicaCounts, ReplicaStats
+from cluster.wire import GREETING, EngineRequest, decode_request, encode_step
 
 logger = logging.getLogger("ray.serve")
-
-_COUNTS = ("num_requests_admitted", "num_requests_refused", "num_requests_finished",
-           "num_requests_cancelled", "num_requests_orphaned", "num_channels_opened",
-           "num_step_messages_sent", "num_deltas_sent")
 
 
 # NOTE: deployment options only in `AppArgs.engine_options` (cluster/app.py), which sets them.
@@ -74,7 +72,7 @@ class EngineReplica:
         self._outboxes = OutboxRegistry(ingress_detach_timeout_s)
         self._sweeper: asyncio.Task | None = None
         self._model = config.model
-        self._counts = dict.fromkeys(_COUNTS, 0)
+        self._counts = ReplicaCounts()
         self._replica_id = _replica_id()
         self._app_name = _app_name()
         # NOTE: an owner id is unique to one ingress replica's life, so one check each.
@@ -93,21 +91,25 @@ class EngineReplica:
 
     # ---- per request: admission -------------------------------------------------
 
-    async def generate(self, request: list, pin_replica_id: str | None = None):
-        """Admit an `EngineRequest` (wire list) and stream this replica's id; stay
+    async def generate(self, request: bytes, pin_replica_id: str | None = None):
+        """Admit an encoded `EngineRequest` and stream this replica's id; stay
         open until the request ended. Bad input raises ReplicaRejected, a full
         engine queue (or too many admissions) ReplicaOverloaded and a dead engine
         ReplicaUnavailable, before anything is streamed. Deltas travel on the
         owner's channel. `pin_replica_id` is read by the router (tests)."""
-        req = EngineRequest.from_wire(request)
+        try:
+            req = decode_request(request)
+        except ValueError as e:  # NOTE: decoding runs SamplingParams' own checks
+            self._counts.num_requests_refused += 1
+            raise ReplicaRejected(str(e)) from None
         if self._max_admitted is not None and self._num_admitted >= self._max_admitted:
-            self._counts["num_requests_refused"] += 1
+            self._counts.num_requests_refused += 1
             raise ReplicaOverloaded(f"{self._num_admitted} requests are admitted on this "
                                     f"replica, its bound", 1.0)
         self._start_sweeper()
         outbox = self._outboxes.get(req.owner)
         done = self._admit(req, outbox)
-        self._counts["num_requests_admitted"] += 1
+        self._counts.num_requests_admitted += 1
         self._num_admitted += 1
         finished = False
         try:
@@ -120,20 +122,21 @@ class EngineReplica:
             if not finished:
                 self._engine.abort(req.request_id)
                 outbox.discard(req.request_id)
-            self._counts["num_requests_finished" if finished else "num_requests_cancelled"] += 1
+            if finished:
+                self._counts.num_requests_finished += 1
+            else:
+                self._counts.num_requests_cancelled += 1
 
     def _admit(self, req: EngineRequest, outbox: StepOutbox) -> asyncio.Future:
         from replicas.async_engine import EngineDeadError, EngineOverloaded
-        from replicas.config import SamplingParams
 
         done = outbox.add(req.request_id)
         try:
-            params = SamplingParams(**req.sampling_params)
-            self._engine.submit(req.request_id, req.prompt_token_ids, params,
+            self._engine.submit(req.request_id, req.prompt_token_ids, req.sampling_params,
                                 OutboxSink(outbox, req.request_id))
         except BaseException as e:
             outbox.discard(req.request_id)
-            self._counts["num_requests_refused"] += 1
+            self._counts.num_requests_refused += 1
             if isinstance(e, EngineOverloaded):
                 raise ReplicaOverloaded(str(e), float(e.retry_after_s)) from None
             if isinstance(e, EngineDeadError):  # the ingress must not import torch
@@ -147,8 +150,8 @@ class EngineReplica:
 
     async def channel(self, owner: str, owner_handle: Any = None,
                       pin_replica_id: str | None = None):
-        """Stream step messages for ingress `owner`: first `[]` (the greeting),
-        then one list of encoded deltas per engine step with news for it.
+        """Stream step messages for ingress `owner` (cluster/wire.py): the
+        greeting, then one message per engine step with news for it.
         `owner_handle` (the ingress's Ray actor) lets this replica notice its death;
         `pin_replica_id` is read by the router, not here. Under Serve, an owner that
         is not a live ingress replica of this app is refused (PermissionError)."""
@@ -161,10 +164,10 @@ class EngineReplica:
         epoch = outbox.channel_epoch
         outbox.interrupt()  # an older channel of this ingress ends
         outbox.detached_since = None
-        self._counts["num_channels_opened"] += 1
+        self._counts.num_channels_opened += 1
         counts = self._counts
         try:
-            yield []
+            yield GREETING
             while not outbox.is_closed and outbox.channel_epoch == epoch:
                 if outbox.num_live_requests == 0:
                     try:
@@ -176,11 +179,11 @@ class EngineReplica:
                     await outbox.wait()
                 if outbox.is_closed or outbox.channel_epoch != epoch:
                     return
-                message = outbox.take_message()
-                if message:
-                    counts["num_step_messages_sent"] += 1
-                    counts["num_deltas_sent"] += len(message)
-                    yield message
+                deltas = outbox.take_deltas()
+                if deltas:
+                    counts.num_step_messages_sent += 1
+                    counts.num_deltas_sent += len(deltas)
+                    yield encode_step(deltas)
         finally:
             if outbox.channel_epoch == epoch:
                 outbox.detached_since = time.monotonic()
@@ -232,7 +235,7 @@ class EngineReplica:
         for request_id in request_ids:
             self._engine.abort(request_id)
         if request_ids:
-            self._counts["num_requests_orphaned"] += len(request_ids)
+            self._counts.num_requests_orphaned += len(request_ids)
             logger.warning("aborted %d requests of ingress replica %s: %s", len(request_ids),
                            outbox.owner.rpartition("-")[0], why)
 
@@ -242,15 +245,21 @@ class EngineReplica:
         self._engine.abort(request_id)
 
     def model_info(self) -> dict:
+        # NOTE: what the engine resolved (dtype auto, attention backend auto), for the
+        # launcher's console; a test's fake engine has no core.
+        core = getattr(self._engine, "core", None)
+        resolved = {} if core is None else {
+            "dtype": core.config.dtype, "device": core.config.device,
+            "attention_backend": core.runner.backend.name}
         return {"model": self._model, "model_dir": self._engine.model_dir,
                 "max_model_len": self._engine.max_model_len,
                 "vocab_size": self._engine.vocab_size,
-                "eos_token_ids": list(self._engine.eos_token_ids)}
+                "eos_token_ids": list(self._engine.eos_token_ids), **resolved}
 
     def stats(self, pin_replica_id: str | None = None) -> dict:
-        """`pin_replica_id`: ask this very replica (read by the router)."""
-        return {**self._engine.stats(), **self._counts, "replica_id": self._replica_id,
-                "num_outboxes": len(self._outboxes)}
+        """`ReplicaStats.as_dict()`, for callers through a handle. `pin_replica_id`:
+        ask this very replica (read by the router)."""
+        return self._snapshot().as_dict()
 
     def check_health(self) -> None:
         """Serve's health check: raises when the engine thread died or stalled.
@@ -292,12 +301,16 @@ class EngineReplica:
 
     # ---- internals --------------------------------------------------------------
 
+    def _snapshot(self) -> ReplicaStats:
+        return ReplicaStats(self._engine.stats(), dataclasses.replace(self._counts),
+                            self._replica_id, len(self._outboxes))
+
     def _stats_loop(self, interval_s: float) -> None:
         while not self._stop_stats.wait(interval_s):
             if self._metrics is None:
                 return
             try:
-                self._metrics.record_stats(self.stats())
+                self._metrics.record_stats(self._snapshot())
             except Exception:  # never let a metrics hiccup kill the thread
                 logger.debug("replica stats failed", exc_info=True)
 

@@ -4,8 +4,8 @@ power of two choices.
 - A channel call (and a unary call that names its replica) carries
   `pin_replica_id`: the per-step channel of an ingress belongs to the replica that
   admitted its requests.
-- An admission call carries an `EngineRequest` (cluster/wire.py): its prompt's
-  first blocks pick a preferred replica (cluster/prefix_affinity.py), where the
+- An admission call carries an encoded `EngineRequest` (cluster/wire.py): its
+  prompt's first blocks pick a preferred replica (cluster/prefix_affinity.py), where the
   prefix's KV blocks are likely cached, unless that replica is much busier.
 - Everything else, and the fallback, is Serve's own power of two choices.
 
@@ -26,6 +26,7 @@ from ray.serve._private.request_router.request_router import RequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from cluster.prefix_affinity import choose, prefix_key
+from cluster.wire import prompt_of
 
 PIN_KWARG = "pin_replica_id"
 
@@ -85,7 +86,7 @@ class PinnedRouter(PowerOfTwoChoicesRequestRouter):
         if not getattr(self, "_prefix_tokens", 0) or len(candidates) < 2:
             return None
         args = pending_request.args
-        prompt = _prompt_of(args[0]) if args else None
+        prompt = prompt_of(args[0]) if args else None
         if prompt is None:
             return None
         key = prefix_key(prompt, self._prefix_tokens, self._block_size)
@@ -94,13 +95,6 @@ class PinnedRouter(PowerOfTwoChoicesRequestRouter):
         queue_lens = {rid: cache.get(r.replica_id) for rid, r in by_id.items()}
         chosen = choose(key, list(by_id), queue_lens, self._imbalance_threshold)
         return None if chosen is None else by_id[chosen]
-
-
-def _prompt_of(wire) -> list[int] | None:
-    """The prompt ids of an admission call's `EngineRequest` wire list."""
-    if isinstance(wire, list) and len(wire) == 4 and isinstance(wire[1], list):
-        return wire[1]
-    return None
 
 
 ROUTER_PATH = f"{PinnedRouter.__module__}.{PinnedRouter.__name__}"

@@ -1,59 +1,79 @@
-"""What crosses Ray between EngineReplica and Ingress, as plain msgpack-native data.
+"""What crosses Ray between the Ingress and an EngineReplica, declared once.
 
-Ray serializes what a Serve call returns or streams with msgpack, and falls back
-to cloudpickle (a new Pickler per item) for anything msgpack cannot pack
-natively. Lists of ints, floats, strings and None pack natively, so every type
-here is flattened to such lists at the boundary.
+Serve's by-value transport (handles with `_by_reference=False`, over gRPC) pickles
+every call argument and every streamed item. So each message crosses as one
+`bytes` object, encoded by msgspec from the typed declarations below: pickling
+bytes is a copy, and msgspec encodes and decodes in C, with no Python code per
+field. Structs are array-like: fields travel by position and are named only here.
 
-- `EngineRequest`: what the ingress asks an engine replica to run, validated once
-  in the ingress. `owner` names the ingress replica whose per-step channel
-  carries the request's deltas.
-- A step message: one per engine step and ingress, a list of encoded deltas (one
-  per request of that ingress that made progress). An empty message is the
-  channel's greeting (it proves the channel reached its replica).
+| message | from -> to | type |
+|---|---|---|
+| request | ingress -> replica (`generate`) | `EngineRequest` |
+| admission answer | replica -> ingress | the replica's id (`str`), then nothing until the request ends |
+| step message | replica -> ingress (`channel`) | `list[TokenDelta]` (`deltas/types.py`), one per request of that ingress that made progress in the step |
+| greeting | replica -> ingress (`channel`) | an empty step message: the channel reached its replica |
+
+Decoding checks every field's type; a request's `SamplingParams` run their own
+`__post_init__` on decode, so a replica refuses a bad value with the same rule
+and message as the ingress.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
-from deltas.types import FinishReason, TokenDelta
+from deltas.types import TokenDelta
+from replicas.config import SamplingParams  # plain data: no torch
 
-_FINISH = {r.value: r for r in FinishReason}
 
+class EngineRequest(msgspec.Struct, array_like=True, frozen=True):
+    """What the ingress asks an engine replica to run, validated where it entered
+    (cluster/ingress.py)."""
 
-@dataclass(slots=True, frozen=True)
-class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: dict  # the fields of replicas.config.SamplingParams
+    sampling_params: SamplingParams
     owner: str  # the ingress channel id that receives this request's deltas
 
-    def to_wire(self) -> list:
-        # NOTE: tuples would not pack natively (Ray pickles them).
-        params = {k: list(v) if isinstance(v, tuple) else v
-                  for k, v in self.sampling_params.items()}
-        return [self.request_id, self.prompt_token_ids, params, self.owner]
 
-    @classmethod
-    def from_wire(cls, item: list) -> "EngineRequest":
-        request_id, prompt_token_ids, sampling_params, owner = item
-        return cls(request_id, prompt_token_ids, sampling_params, owner)
+class _PromptView(msgspec.Struct, array_like=True):
+    """The leading fields of an `EngineRequest`: the router reads the prompt
+    without decoding the rest."""
+
+    request_id: str
+    prompt_token_ids: list[int]
 
 
-def encode_delta(delta: TokenDelta) -> list:
-    finish = delta.finish_reason
-    top = delta.top_logprobs
-    if top is not None:  # tuples would not pack natively (Ray pickles them)
-        top = [[[t, lp] for t, lp in alts] for alts in top]
-    return [delta.request_id, delta.token_ids, delta.logprobs, top,
-            None if finish is None else finish.value, delta.stop_reason,
-            delta.num_prompt_tokens, delta.num_output_tokens, delta.error]
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(EngineRequest)
+_prompt_decoder = msgspec.msgpack.Decoder(_PromptView)
+_step_decoder = msgspec.msgpack.Decoder(list[TokenDelta])
 
 
-def decode_delta(item: list) -> TokenDelta:
-    request_id, token_ids, logprobs, top, finish, stop_reason, num_prompt, num_output, error = item
-    if top is not None:
-        top = [[(t, lp) for t, lp in alts] for alts in top]
-    return TokenDelta(request_id, token_ids, logprobs, top,
-                      None if finish is None else _FINISH[finish], stop_reason,
-                      num_prompt, num_output, error)
+def encode_request(request: EngineRequest) -> bytes:
+    return _encoder.encode(request)
+
+
+def decode_request(data: bytes) -> EngineRequest:
+    """Raises `msgspec.ValidationError` (a ValueError) naming the bad field."""
+    return _request_decoder.decode(data)
+
+
+def prompt_of(data: object) -> list[int] | None:
+    """The prompt ids of an encoded `EngineRequest`; None for anything else."""
+    if not isinstance(data, bytes):
+        return None
+    try:
+        return _prompt_decoder.decode(data).prompt_token_ids
+    except msgspec.DecodeError:
+        return None
+
+
+def encode_step(deltas: list[TokenDelta]) -> bytes:
+    return _encoder.encode(deltas)
+
+
+def decode_step(data: bytes) -> list[TokenDelta]:
+    return _step_decoder.decode(data)
+
+
+GREETING = encode_step([])

@@ -1,11 +1,20 @@
-"""Per-request mailboxes between the engine thread and a consumer: the asyncio
-implementation of `deltas.sink.DeltaSink`.
+"""Mailboxes between the engine's threads and an asyncio reader: the asyncio
+implementations of `deltas.sink.DeltaSink`.
 
-The engine (producer) puts one TokenDelta per step; a consumer takes everything
-pending at once. While the consumer is behind, deltas MERGE (never dropped, never
-reordered), so a slow stream gets fewer, larger chunks instead of a backlog.
+One mechanism, used twice: a `DeltaMailbox` keeps, per request, everything its
+reader has not taken yet. While the reader is behind, a request's deltas MERGE
+(never dropped, never reordered), so a slow reader gets fewer, larger deltas
+instead of a backlog; a waiting reader is woken once per wait, not once per put.
 
-NOTE: `put` takes ownership of the delta: the collector may merge later deltas
+- `DeltaCollector`: one request, one reader (an SSE writer, an `AsyncEngine`
+  stream). Its `get` takes everything pending at once.
+- `cluster.outbox.StepOutbox`: every request of one ingress, one reader (the
+  per-step channel), which takes all requests' deltas at once.
+
+Each request writes through its own `MailboxSink`, which drops puts after the
+finished delta and ends the stream with `put_error`.
+
+NOTE: `put` takes ownership of the delta: the mailbox may merge later deltas
 into it. The engine must not touch a delta after putting it.
 """
 from __future__ import annotations
@@ -17,7 +26,7 @@ from deltas.types import FinishReason, TokenDelta
 
 
 def _wake(waiter: asyncio.Future) -> None:
-    if not waiter.done():  # the consumer may have been cancelled meanwhile
+    if not waiter.done():  # the reader may have been cancelled meanwhile
         waiter.set_result(None)
 
 
@@ -27,7 +36,7 @@ def _wake_all(waiters: list[asyncio.Future]) -> None:
 
 
 class WakeBatch:
-    """Gathers the consumers to wake during one engine step, then wakes them with
+    """Gathers the readers to wake during one engine step, then wakes them with
     one `call_soon_threadsafe` per event loop instead of one per request.
 
     NOTE: with per-step release every stream is woken every step; a batch turns
@@ -57,93 +66,151 @@ class WakeBatch:
         self._by_loop = {}
 
 
-class DeltaCollector:
-    """Created in the asyncio thread; `put`/`notify` may be called from any thread.
+class DeltaMailbox:
+    """Pending deltas by request id, for one reader on the event loop it was
+    created on; puts (through `MailboxSink`s) and `notify` may come from any thread.
 
     The cross-thread wake (`loop.call_soon_threadsafe`, a syscall) happens only
-    when the consumer is actually waiting, once per wait, not once per put.
+    when the reader is actually waiting, once per wait, not once per put.
     """
 
-    __slots__ = ("request_id", "_loop", "_loop_thread_id", "_lock", "_pending", "_waiter",
-                 "_is_closed", "_is_done", "_num_output_tokens")
+    __slots__ = ("_loop", "_loop_thread_id", "_lock", "_pending", "_waiter")
 
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
+    def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop_thread_id = threading.get_ident()
         self._lock = threading.Lock()
-        self._pending: TokenDelta | None = None
+        self._pending: dict[str, TokenDelta] = {}
         self._waiter: asyncio.Future | None = None
-        self._is_closed = False  # a finished delta was put: later puts are dropped
-        self._is_done = False  # the consumer took the finished delta
-        self._num_output_tokens = 0
 
-    @property
-    def finished(self) -> bool:
-        return self._is_done
+    # -- writers (any thread) -------------------------------------------------------
+    def _put(self, sink: MailboxSink, delta: TokenDelta, notify: bool,
+             wakes: WakeBatch | None) -> None:
+        with self._lock:
+            if sink._is_closed:
+                return
+            sink._is_closed = delta.finish_reason is not None
+            sink._num_output_tokens = delta.num_output_tokens
+            pending = self._pending.get(sink.request_id)
+            if pending is None:
+                self._pending[sink.request_id] = delta
+            else:
+                pending.merge(delta)
+            waiter = self._take_waiter_locked() if notify else None
+        if waiter is not None:
+            self._wake(waiter, wakes)
+
+    def notify(self) -> None:
+        """Wake the reader for deltas put with notify=False (end of a release window)."""
+        with self._lock:
+            waiter = self._take_waiter_locked() if self._pending else None
+        if waiter is not None:
+            self._wake(waiter, None)
+
+    # -- the reader (event loop) ----------------------------------------------------
+    def take(self, request_id: str) -> TokenDelta | None:
+        """Everything pending for one request, as one delta (None: nothing)."""
+        with self._lock:
+            return self._pending.pop(request_id, None)
+
+    def take_all(self) -> dict[str, TokenDelta]:
+        """Everything pending, one delta per request."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        return pending
+
+    def drop(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+
+    async def wait(self) -> None:
+        """Until something is pending (or a wake from `interrupt`)."""
+        with self._lock:
+            if self._pending:
+                return
+            waiter = self._waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            with self._lock:
+                if self._waiter is waiter:
+                    self._waiter = None
+
+    def interrupt(self) -> None:
+        """Wake the reader now, whatever is pending."""
+        with self._lock:
+            waiter = self._take_waiter_locked()
+        if waiter is not None:
+            self._wake(waiter, None)
+
+    def _take_waiter_locked(self) -> asyncio.Future | None:
+        waiter, self._waiter = self._waiter, None
+        return waiter
+
+    def _wake(self, waiter: asyncio.Future, wakes: WakeBatch | None) -> None:
+        if threading.get_ident() == self._loop_thread_id:
+            _wake(waiter)
+        elif wakes is not None:
+            wakes.add(self._loop, waiter)
+        else:
+            try:
+                self._loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # the loop closed: nobody is waiting any more
+                pass
+
+
+class MailboxSink:
+    """One request's way into a mailbox: the engine's `DeltaSink` for it."""
+
+    __slots__ = ("request_id", "_mailbox", "_is_closed", "_num_output_tokens")
+
+    def __init__(self, mailbox: DeltaMailbox, request_id: str) -> None:
+        self.request_id = request_id
+        self._mailbox = mailbox
+        self._is_closed = False  # a finished delta was put: later puts are dropped
+        self._num_output_tokens = 0
 
     def put(self, delta: TokenDelta, notify: bool = True, wakes: WakeBatch | None = None) -> None:
         """`wakes`: defer the wake-up to the caller's batch (one per step)."""
-        with self._lock:
-            if self._is_closed:
-                return
-            self._is_closed = delta.finish_reason is not None
-            self._num_output_tokens = delta.num_output_tokens
-            if self._pending is None:
-                self._pending = delta
-            else:
-                self._pending.merge(delta)
-            waiter = self._take_waiter_locked() if notify else None
-        if waiter is not None:
-            if wakes is not None and threading.get_ident() != self._loop_thread_id:
-                wakes.add(self._loop, waiter)
-            else:
-                self._wake(waiter)
+        self._mailbox._put(self, delta, notify, wakes)
 
     def notify(self) -> None:
-        """Wake the consumer for deltas put with notify=False (end of a release window)."""
-        with self._lock:
-            waiter = self._take_waiter_locked() if self._pending is not None else None
-        if waiter is not None:
-            self._wake(waiter)
+        self._mailbox.notify()
 
     def put_error(self, message: str) -> None:
         self.put(TokenDelta(self.request_id, [], finish_reason=FinishReason.ERROR, error=message,
                             num_output_tokens=self._num_output_tokens))
 
+
+class DeltaCollector(MailboxSink):
+    """A mailbox of one request for one asyncio reader. Created in the asyncio
+    thread; `put`/`notify`/`put_error` may be called from any thread."""
+
+    __slots__ = ("_is_done",)
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(DeltaMailbox(), request_id)
+        self._is_done = False  # the reader took the finished delta
+
+    @property
+    def finished(self) -> bool:
+        return self._is_done
+
     async def get(self) -> TokenDelta:
         """Wait until something is pending, then take all of it as one delta."""
         while True:
-            with self._lock:
-                if self._pending is not None:
-                    delta, self._pending = self._pending, None
-                    self._is_done = delta.finish_reason is not None
-                    return delta
-                if self._is_done:
-                    raise RuntimeError(f"request {self.request_id}: the stream already finished")
-                waiter = self._waiter = self._loop.create_future()
-            try:
-                await waiter
-            finally:
-                with self._lock:
-                    if self._waiter is waiter:
-                        self._waiter = None
+            delta = self._mailbox.take(self.request_id)
+            if delta is not None:
+                self._is_done = delta.finish_reason is not None
+                return delta
+            if self._is_done:
+                raise RuntimeError(f"request {self.request_id}: the stream already finished")
+            await self._mailbox.wait()
 
-    def __aiter__(self) -> "DeltaCollector":
+    def __aiter__(self) -> DeltaCollector:
         return self
 
     async def __anext__(self) -> TokenDelta:
         if self._is_done:
             raise StopAsyncIteration
         return await self.get()
-
-    def _take_waiter_locked(self) -> asyncio.Future | None:
-        waiter, self._waiter = self._waiter, None
-        return waiter
-
-    def _wake(self, waiter: asyncio.Future) -> None:
-        if threading.get_ident() == self._loop_thread_id:
-            _wake(waiter)
-        else:
-            self._loop.call_soon_threadsafe(_wake, waiter)
-

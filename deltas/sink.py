@@ -1,8 +1,9 @@
 """The one interface the engine writes a request's deltas to.
 
-Implemented by `deltas.collector.DeltaCollector` (an asyncio consumer in the same
-process), `cluster.outbox.OutboxSink` (a per-step channel to an ingress) and
-`replicas.outputs.CollectingSink` (the offline engine). The engine's output
+Implemented by `deltas.collector.MailboxSink`, a request's way into a mailbox
+read on an event loop: its own (`DeltaCollector`, an asyncio consumer in the same
+process) or its ingress's (`cluster.outbox.StepOutbox`, the per-step channel);
+and by `replicas.outputs.CollectingSink` (the offline engine). The engine's output
 thread calls `put` once per step per request; `put_error` ends a stream when the
 engine breaks.
 

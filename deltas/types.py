@@ -1,13 +1,17 @@
 """Plain data that crosses the engine -> replica -> ingress boundary.
 
-These types are cheap to pickle (slots, lists of ints/floats) because every
-chunk a replica streams through Ray Serve carries one of them. Nothing here
-imports torch or knows about HTTP.
+`TokenDelta` is a msgspec `Struct` (array-like: its fields are packed by position,
+named only in this declaration) because every per-step message a replica streams
+carries one per request: it is built per token in the engine's output loop and
+encoded, without conversion, into the step message (`cluster/wire.py`). Nothing
+here imports torch or knows about HTTP.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+import msgspec
 
 
 class OutputKind(enum.IntEnum):
@@ -26,12 +30,14 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
-@dataclass(slots=True)
-class TokenDelta:
+class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """New tokens of one request. Merging two deltas concatenates them.
 
     NOTE: `num_output_tokens` counts all tokens generated so far (not only the
     ones in this delta), so a consumer can report usage without keeping state.
+    NOTE: the field order is the wire order. `gc=False`: a delta holds ids,
+    numbers and strings, never a cycle, so the garbage collector need not track
+    the one built per token.
     """
 
     request_id: str

@@ -20,6 +20,7 @@ from deltas.sink import DeltaSink
 from deltas.types import FinishReason, OutputKind, TokenDelta
 from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_core import EngineCore
+from replicas.engine_stats import EngineStats
 from replicas.request import Request
 
 logger = logging.getLogger("stepstream")
@@ -243,10 +244,8 @@ class AsyncEngine:
         for collector in list(self._active.values()):
             collector.put_error(self._error)
 
-    def stats(self) -> dict:
-        stats = self.core.stats()
-        stats["num_active_streams"] = len(self._active)
-        return stats
+    def stats(self) -> EngineStats:
+        return self.core.stats().with_active_streams(len(self._active))
 
     def shutdown(self) -> None:
         self._is_stopping = True

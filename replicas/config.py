@@ -1,7 +1,8 @@
 """Engine and sampling configuration: frozen plain data that checks itself.
 
-Invalid values raise ValueError naming the field and its allowed range, so the
-ingress can turn them into a 400 without knowing the rules twice.
+Invalid values raise `InvalidValue` (a ValueError) naming the field and its
+allowed range, so the ingress can turn them into a 400 without knowing the rules
+twice.
 """
 from __future__ import annotations
 
@@ -15,9 +16,19 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
 CPU_KV_CACHE_GIB = 1.0  # the KV cache on CPU when kv_cache_gib is None
 
 
+class InvalidValue(ValueError):
+    """A value its rule refuses. `param` names the field at fault; `code`, when
+    set, says what kind of limit it hit (an OpenAI error code)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 def _check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise InvalidValue(f"{name} must be {allowed}, got {value!r}", name)
 
 
 def _is_int(v) -> bool:
@@ -132,8 +143,8 @@ class SamplingParams:
         try:
             object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
         except ValueError:
-            raise ValueError(f"output_kind must be one of {[k.name for k in OutputKind]}, "
-                             f"got {self.output_kind!r}") from None
+            raise InvalidValue(f"output_kind must be one of {[k.name for k in OutputKind]}, "
+                               f"got {self.output_kind!r}", "output_kind") from None
 
     @property
     def is_greedy(self) -> bool:

@@ -206,9 +206,9 @@ class EngineCore:
         self.published_stats = EngineStats.from_engine(self.scheduler, self.block_manager,
                                                        self.num_steps)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Safe from any thread: the last published snapshot, at most one step old."""
-        return self.published_stats.as_dict()
+        return self.published_stats
 
     def shutdown(self) -> None:
         self.output.shutdown()

@@ -5,7 +5,8 @@ thread while the engine thread changes the scheduler's queues and the block
 manager. Rather than read those containers across threads, the engine thread
 builds one frozen `EngineStats` after each change (an add, an abort, a step) and
 swaps it in with a single attribute assignment; a reader gets a consistent view
-that is at most one step old.
+that is at most one step old. Readers (the replica's metrics, tests, benchmarks)
+read its fields by name: a renamed field fails where it is read, never reads 0.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class EngineStats:
     num_prefix_cache_hit_tokens: int
     num_prefix_cache_query_tokens: int
     num_cached_blocks: int
+    num_active_streams: int  # the AsyncEngine's open streams (0 in the engine's own snapshot)
 
     @classmethod
     def from_engine(cls, scheduler: Scheduler, block_manager: BlockManager,
@@ -49,11 +51,16 @@ class EngineStats:
             num_prefix_cache_hit_tokens=scheduler.num_prefix_cache_hit_tokens,
             num_prefix_cache_query_tokens=scheduler.num_prefix_cache_query_tokens,
             num_cached_blocks=bm.num_cached_blocks,
+            num_active_streams=0,
         )
 
     @property
     def num_unfinished(self) -> int:
         return self.num_running + self.num_waiting
 
+    def with_active_streams(self, num_active_streams: int) -> EngineStats:
+        return dataclasses.replace(self, num_active_streams=num_active_streams)
+
     def as_dict(self) -> dict:
+        """By field name, for callers across a Serve handle (tools, tests)."""
         return dataclasses.asdict(self)

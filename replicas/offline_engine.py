@@ -15,6 +15,7 @@ from typing import Sequence
 from deltas.types import FinishReason
 from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_core import EngineCore
+from replicas.engine_stats import EngineStats
 from replicas.outputs import CollectingSink, RequestOutput
 
 
@@ -81,7 +82,7 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return prompt
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.core.stats()
 
     def shutdown(self) -> None:

@@ -10,9 +10,10 @@ import pytest
 from cluster.channels import ChannelHub
 from cluster.errors import ApiError, ReplicaOverloaded, ReplicaRejected
 from cluster.relay import Relay
-from cluster.wire import EngineRequest, encode_delta
+from cluster.wire import GREETING, EngineRequest, decode_request, encode_step
 from deltas.text_stream import TextStream
 from deltas.types import FinishReason, TokenDelta
+from replicas.config import SamplingParams
 
 _END = object()
 
@@ -56,20 +57,20 @@ class ScriptedEngine:
         self.generate = _Method(self._generate)
         self.channel = _Method(self._channel)
 
-    def _generate(self, wire: list) -> ScriptedCall:
-        request = EngineRequest.from_wire(wire)
+    def _generate(self, wire: bytes) -> ScriptedCall:
+        request = decode_request(wire)
         refusal = self.refusals.get(request.request_id)
         call = ScriptedCall(refusal if refusal else self.replica_of.get(request.request_id, "rep-1"))
         self.admissions[request.request_id] = call
         return call
 
     def _channel(self, owner, owner_handle=None, pin_replica_id=None) -> ScriptedCall:
-        call = ScriptedCall([])  # the greeting
+        call = ScriptedCall(GREETING)
         self.channels.setdefault(pin_replica_id, []).append(call)
         return call
 
     def step(self, replica_id: str, *deltas: TokenDelta) -> None:
-        self.channels[replica_id][-1].put([encode_delta(d) for d in deltas])
+        self.channels[replica_id][-1].put(encode_step(list(deltas)))
 
 
 class _Method:
@@ -95,7 +96,7 @@ def _delta(request_id: str, token_ids, n: int, finish: bool = False) -> TokenDel
 
 
 async def _open(engine, hub, tokenizer, request_id: str, stop=None, timeout_s=None) -> Relay:
-    request = EngineRequest(request_id, [5, 6], {"max_tokens": 16}, hub.owner)
+    request = EngineRequest(request_id, [5, 6], SamplingParams(max_tokens=16), hub.owner)
     return await Relay.open(engine, hub, request, TextStream(tokenizer, stop=stop),
                             timeout_s=timeout_s)
 

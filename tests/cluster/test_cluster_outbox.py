@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
+import dataclasses
+
+import msgspec
 import pytest
 
 from cluster.errors import ReplicaOverloaded, ReplicaRejected
 from cluster.replica import EngineReplica
-from cluster.wire import EngineRequest, decode_delta
+from cluster.wire import GREETING, EngineRequest, decode_step, encode_request
 from deltas.collector import WakeBatch
 from deltas.types import FinishReason, TokenDelta
+from replicas.config import SamplingParams
+from replicas.engine_stats import EngineStats
 
 REPLICA_CLS = EngineReplica.func_or_class
 
@@ -52,8 +57,8 @@ class ScriptedEngine:
     def abort(self, request_id) -> None:
         self.aborted.append(request_id)
 
-    def stats(self) -> dict:
-        return {"num_running": 0}
+    def stats(self) -> EngineStats:
+        return EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)})
 
     def check_health(self) -> None:
         pass
@@ -82,8 +87,16 @@ def _replica(**kwargs):
     return replica, replica._engine
 
 
-def _request(request_id="r1", prompt=(5, 6), owner="ing-a", **params) -> list:
-    return EngineRequest(request_id, list(prompt), {"max_tokens": 100, **params}, owner).to_wire()
+def _request(request_id="r1", prompt=(5, 6), owner="ing-a", **params) -> bytes:
+    return encode_request(EngineRequest(request_id, list(prompt),
+                                        SamplingParams(max_tokens=100, **params), owner))
+
+
+def _unchecked_request(request_id="r1", prompt=(5, 6), owner="ing-a", **params) -> bytes:
+    """An `EngineRequest`'s wire shape with sampling values that bypassed SamplingParams
+    (a caller other than the ingress)."""
+    return msgspec.msgpack.encode([request_id, list(prompt), {"max_tokens": 100, **params},
+                                   owner])
 
 
 async def _admit(replica, request_id="r1", owner="ing-a"):
@@ -96,7 +109,7 @@ async def _admit(replica, request_id="r1", owner="ing-a"):
 
 async def _next_message(channel, timeout_s=2.0) -> dict[str, TokenDelta]:
     message = await asyncio.wait_for(channel.__anext__(), timeout_s)
-    return {item[0]: decode_delta(item) for item in message}
+    return {delta.request_id: delta for delta in decode_step(message)}
 
 
 def test_one_message_per_step_carries_every_request_of_the_ingress():
@@ -104,7 +117,7 @@ def test_one_message_per_step_carries_every_request_of_the_ingress():
         replica, engine = _replica()
         calls = [await _admit(replica, rid) for rid in ("a", "b")]
         channel = replica.channel("ing-a")
-        assert await channel.__anext__() == []  # the greeting
+        assert await channel.__anext__() == GREETING
         engine.step({"a": 10, "b": 20})
         step1 = await _next_message(channel)
         assert {rid: d.token_ids for rid, d in step1.items()} == {"a": [10], "b": [20]}
@@ -182,7 +195,7 @@ def test_engine_refusals_raise_before_anything_is_streamed():
             await replica.generate(_request(prompt=(666,))).__anext__()
         assert info.value.retry_after_s == 3.0
         with pytest.raises(ReplicaRejected, match="temperature"):
-            await replica.generate(_request(temperature=-1)).__anext__()
+            await replica.generate(_unchecked_request(temperature=-1)).__anext__()
         stats = replica.stats()
         assert stats["num_requests_refused"] == 3 and stats["num_requests_admitted"] == 0
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from cluster.prefix_affinity import choose, preferred_replica, prefix_key
-from cluster.routing import _prompt_of
-from cluster.wire import EngineRequest
+from cluster.wire import EngineRequest, encode_request, prompt_of
+from replicas.config import SamplingParams
 
 SYSTEM = list(range(100, 400))  # a 300-token shared prefix
 
@@ -42,6 +42,7 @@ def test_the_preference_yields_to_load_and_to_unknown_queues():
 
 
 def test_the_router_reads_the_prompt_of_an_admission_call():
-    wire = EngineRequest("r", [1, 2, 3], {"max_tokens": 4}, "ing").to_wire()
-    assert _prompt_of(wire) == [1, 2, 3]
-    assert _prompt_of("ing-1") is None and _prompt_of(None) is None
+    wire = encode_request(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), "ing"))
+    assert prompt_of(wire) == [1, 2, 3]
+    assert prompt_of("ing-1") is None and prompt_of(None) is None
+    assert prompt_of(b"not a request") is None

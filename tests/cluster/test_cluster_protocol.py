@@ -2,6 +2,7 @@
 replica's chunk type and the serve_local CLI mapping."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import sys
@@ -44,8 +45,8 @@ def test_completion_request_accepts_openai_shapes():
     r = _parse(CompletionRequest, {"model": "m", "prompt": "x", "stop": "END", "temperature": 0,
                                    "stream": True, "stream_options": {"include_usage": True}})
     assert r.stop_strings == ["END"] and r.include_usage and r.temperature == 0.0
-    params = r.sampling_dict(max_tokens=8, logprobs=None)
-    assert params["max_tokens"] == 8 and params["stop_token_ids"] == ()
+    params = r.sampling_params()
+    assert params.max_tokens == 16 and params.stop_token_ids == () and params.temperature == 0.0
 
 
 @pytest.mark.parametrize("body, param", [
@@ -169,26 +170,33 @@ def test_relay_maps_replica_errors_to_http():
     assert replica_error(RuntimeError("actor died")).status == 503
 
 
-def test_wire_format_round_trips_and_packs_without_pickle():
+def test_wire_format_round_trips_and_crosses_as_one_bytes_object():
+    from ray import cloudpickle
     from ray._private.serialization import SerializationContext
     from ray._private.worker import global_worker
 
-    from cluster.wire import EngineRequest, decode_delta, encode_delta
+    from cluster.wire import (EngineRequest, decode_request, decode_step, encode_request,
+                              encode_step)
+    from replicas.config import SamplingParams
 
     delta = TokenDelta("r", [1, 2], logprobs=[-0.1, -0.2], top_logprobs=[[(1, -0.1)], [(2, -0.2)]],
                        finish_reason=FinishReason.STOP, stop_reason=3, num_prompt_tokens=4,
                        num_output_tokens=2)
-    item = encode_delta(delta)
-    assert decode_delta(item) == delta
     plain = TokenDelta("r", [7], num_output_tokens=1)
-    assert decode_delta(encode_delta(plain)) == plain
-    request = EngineRequest("r", [1, 2], {"max_tokens": 3, "stop_token_ids": (5,)}, "ing-1")
-    assert EngineRequest.from_wire(request.to_wire()).sampling_params["stop_token_ids"] == [5]
-    # A step message and a request pack with msgpack alone ("XLANG"), not the
+    message = encode_step([delta, plain])
+    assert decode_step(message) == [delta, plain]
+    assert decode_step(encode_step([])) == []
+    request = EngineRequest("r", [1, 2], SamplingParams(max_tokens=3, stop_token_ids=(5,)), "ing-1")
+    wire = encode_request(request)
+    assert decode_request(wire) == request
+    assert decode_request(wire).sampling_params.stop_token_ids == (5,)
+    # Both cross as one bytes object: Serve's by-value path pickles it as a plain
+    # copy, and Ray's object store keeps it as raw bytes ("RAW"), not the
     # cloudpickle fallback ("PYTHON").
-    ctx = SerializationContext(global_worker)
-    assert ctx.serialize([item, encode_delta(plain)]).metadata == b"XLANG"
-    assert ctx.serialize(request.to_wire()).metadata == b"XLANG"
+    for data in (message, wire):
+        assert type(data) is bytes and cloudpickle.loads(cloudpickle.dumps(data)) == data
+        assert SerializationContext(global_worker).serialize(data).metadata == b"RAW"
+
 
 def test_app_args_map_onto_engine_config_and_deployment_options():
     from cluster.app import AppArgs
@@ -222,16 +230,25 @@ def test_build_app_returns_a_serve_application():
 
 
 def test_context_check_says_the_limits():
-    from cluster.ingress import _check_context
+    from cluster.ingress import _check_limits
+    from replicas.config import SamplingParams
+    from replicas.request_validation import RequestLimits
 
-    assert _check_context(10, None, 100) == 90
-    assert _check_context(10, 90, 100) == 90
+    limits = RequestLimits(vocab_size=8192, max_model_len=100, eos_token_ids=(2,))
+    assert _check_limits(limits, [1] * 10, SamplingParams(max_tokens=None)) == 90
+    assert _check_limits(limits, [1] * 10, SamplingParams(max_tokens=90)) == 90
     with pytest.raises(ApiError) as info:
-        _check_context(10, 91, 100)
+        _check_limits(limits, [1] * 10, SamplingParams(max_tokens=91))
     assert info.value.status == 400 and "100" in info.value.message and "101" in info.value.message
+    assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
     with pytest.raises(ApiError) as info:
-        _check_context(100, 1, 100)
+        _check_limits(limits, [1] * 100, SamplingParams(max_tokens=1))
     assert info.value.param == "prompt"
+    for prompt, params, param in (([1, 8192], SamplingParams(), "prompt"),
+                                  ([1], SamplingParams(stop_token_ids=[8192]), "stop_token_ids")):
+        with pytest.raises(ApiError) as info:
+            _check_limits(limits, prompt, params)
+        assert info.value.param == param and "8192" in info.value.message
 
 
 def test_chat_length_bound_counts_every_message_before_the_template():
@@ -292,4 +309,6 @@ def test_sampling_fields_left_out_take_the_engines_defaults(request_class, body)
     from replicas.config import SamplingParams
 
     req = request_class.model_validate(body)
-    assert SamplingParams(**req.sampling_dict(16, None)) == SamplingParams(max_tokens=16)
+    # max_tokens is the API's own default (16 for completions, the context for chat)
+    params = dataclasses.replace(req.sampling_params(), max_tokens=16)
+    assert params == SamplingParams(max_tokens=16)

@@ -34,16 +34,33 @@ def test_stream_options_need_stream_true(cls, base):
 
 
 @pytest.mark.parametrize("body, param, bound", [
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
-    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "[0, 20]"),
     ({"top_logprobs": 3}, "top_logprobs", "requires logprobs"),
     ({"logprobs": False, "top_logprobs": 3}, "top_logprobs", "requires logprobs"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens", "[1, 2**63 - 1]"),
-    ({"max_completion_tokens": 2**63}, "max_completion_tokens", "[1, 2**63 - 1]"),
 ])
 def test_chat_errors_name_the_field_the_client_sent(body, param, bound):
     message, got = _error(ChatCompletionRequest, {"model": "m", "messages": MESSAGES, **body})
     assert got == param and bound in message, message
+
+
+@pytest.mark.parametrize("body, param, bound", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "[0, 20]"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "[1, 2**63 - 1]"),
+    ({"max_completion_tokens": 2**63}, "max_completion_tokens", "[1, 2**63 - 1]"),
+    ({"max_tokens": 0}, "max_tokens", "[1, 2**63 - 1]"),
+])
+def test_chat_range_errors_name_the_field_the_client_sent(body, param, bound):
+    """The ranges are SamplingParams' (one rule each); the 400 names the chat field."""
+    from cluster.errors import ApiError
+    from cluster.ingress import _sampling_params
+
+    req = ChatCompletionRequest.model_validate_json(json.dumps(
+        {"model": "m", "messages": MESSAGES, **body}))
+    with pytest.raises(ApiError) as info:
+        _sampling_params(req)
+    error = info.value
+    assert error.status == 400 and error.param == param, error.message
+    assert bound in error.message and f"'{param}': {param} must be" in error.message, error.message
 
 
 def test_chat_top_logprobs_in_range_reaches_the_engine():
@@ -66,6 +83,6 @@ def test_engine_range_errors_state_the_bound(field, value, bound):
     req = CompletionRequest.model_validate_json(json.dumps(
         {"model": "m", "prompt": "x", field: value}))
     with pytest.raises(ApiError) as info:
-        _sampling_params(req.sampling_dict(8, req.logprobs), 8192)
+        _sampling_params(req)
     error = info.value
     assert error.status == 400 and error.param == field and bound in error.message, error.message

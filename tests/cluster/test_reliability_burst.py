@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from cluster.wire import EngineRequest
+from cluster.wire import EngineRequest, encode_request
 from cluster_support import engine_handle, serve_app, wait_until
 from reliability_support import engine_replica_ids, stream_request
 
@@ -89,10 +89,12 @@ def _pinned_generate(replica_id: str, request_id: str, max_tokens: int):
     """An admission straight to one replica (its deltas go to no channel)."""
     from ray import serve
 
-    request = EngineRequest(request_id, [5, 6, 7], {"max_tokens": max_tokens, "ignore_eos": True},
-                            "test-owner")
+    from replicas.config import SamplingParams
+
+    request = EngineRequest(request_id, [5, 6, 7],
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True), "test-owner")
     return serve.get_deployment_handle("EngineReplica", app_name="stepstream").options(
-        stream=True).generate.remote(request.to_wire(), pin_replica_id=replica_id)
+        stream=True).generate.remote(encode_request(request), pin_replica_id=replica_id)
 
 
 def test_a_request_without_a_first_token_in_time_gets_503_and_is_aborted(server):

@@ -83,7 +83,7 @@ async def test_puts_while_the_consumer_is_away_merge_into_one_get():
 @run_async
 async def test_wakes_only_a_waiting_consumer_once_per_wait():
     collector = DeltaCollector("r")
-    counting = collector._loop = CountingLoop(collector._loop)
+    counting = collector._mailbox._loop = CountingLoop(collector._mailbox._loop)
     in_thread(lambda: [collector.put(delta([i], i + 1)) for i in range(50)]).join()
     assert counting.num_wakes == 0  # nobody was waiting
     await collector.get()
@@ -145,7 +145,7 @@ async def test_cancelled_get_does_not_break_later_puts():
 @run_async
 async def test_put_from_the_loop_thread_wakes_without_call_soon_threadsafe():
     collector = DeltaCollector("r")
-    counting = collector._loop = CountingLoop(collector._loop)
+    counting = collector._mailbox._loop = CountingLoop(collector._mailbox._loop)
     getter = asyncio.ensure_future(collector.get())
     await asyncio.sleep(0)
     collector.put(delta([7], 1))
@@ -201,3 +201,30 @@ def test_wake_batch_wakes_every_waiting_consumer_with_one_loop_call():
     calls, got = asyncio.run(main())
     assert len(calls) == 1
     assert [d.token_ids for d in got] == [[i] for i in range(10)]
+
+
+@run_async
+async def test_one_mailbox_keeps_each_request_apart_and_wakes_its_reader_once():
+    """The StepOutbox's mechanism: many requests, one reader."""
+    from deltas.collector import DeltaMailbox, MailboxSink
+
+    mailbox = DeltaMailbox()
+    counting = mailbox._loop = CountingLoop(mailbox._loop)
+    a, b = MailboxSink(mailbox, "a"), MailboxSink(mailbox, "b")
+    waiter = asyncio.ensure_future(mailbox.wait())
+    await asyncio.sleep(0.01)
+
+    def produce():
+        for i in range(3):
+            a.put(TokenDelta("a", [i], num_output_tokens=i + 1))
+            b.put(TokenDelta("b", [10 + i], num_output_tokens=i + 1))
+        b.put_error("boom")
+        b.put(TokenDelta("b", [99], num_output_tokens=4))  # after the finish: dropped
+
+    in_thread(produce).join()
+    await asyncio.wait_for(waiter, 1)
+    assert counting.num_wakes == 1
+    pending = mailbox.take_all()
+    assert pending["a"].token_ids == [0, 1, 2] and pending["a"].finish_reason is None
+    assert pending["b"].token_ids == [10, 11, 12] and pending["b"].error == "boom"
+    assert pending["b"].num_output_tokens == 3 and mailbox.take_all() == {}

@@ -46,8 +46,8 @@ async def _collect(engine, rid, prompt, params=GREEDY, delay=0.0):
 
 def _assert_idle(engine):
     s = engine.stats()
-    assert s["num_running"] == 0 and s["num_waiting"] == 0
-    assert s["num_free_blocks"] == s["num_total_blocks"]
+    assert s.num_running == 0 and s.num_waiting == 0
+    assert s.num_free_blocks == s.num_total_blocks
 
 
 def test_streams_equal_offline_outputs(engine, reference):
@@ -126,7 +126,7 @@ def test_aborting_100_streams_frees_every_block(engine, reference):
     async def settle():
         for _ in range(100):
             s = engine.stats()
-            if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]:
+            if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks:
                 return
             await asyncio.sleep(0.05)
     asyncio.run(settle())
@@ -194,7 +194,7 @@ def _wait_idle(eng) -> None:
     """Until the released requests' aborts have run, then assert nothing is left."""
     for _ in range(200):
         s = eng.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0:
+        if s.num_running == 0 and s.num_waiting == 0:
             break
         time.sleep(0.05)
     _assert_idle(eng)

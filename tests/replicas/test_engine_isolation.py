@@ -54,7 +54,7 @@ def _drain(engine) -> None:
         engine.step()
     engine.core.output.wait()
     stats = engine.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"], "every block must be free"
+    assert stats.num_free_blocks == stats.num_total_blocks, "every block must be free"
 
 
 def _run(engine, prompts, params=GREEDY, ids=None, params_by_id=None):
@@ -262,7 +262,7 @@ def test_async_engine_keeps_serving_the_other_streams():
         results = asyncio.run(main())
         eng.check_health()  # the engine is alive
         deadline = time.monotonic() + 10  # finished requests are freed at its next step
-        while (stats := eng.stats())["num_free_blocks"] != stats["num_total_blocks"] \
+        while (stats := eng.stats()).num_free_blocks != stats.num_total_blocks \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
@@ -270,4 +270,4 @@ def test_async_engine_keeps_serving_the_other_streams():
     *good, (bad_ids, bad_last) = results
     assert all(len(ids) == 24 and last.finish_reason == FinishReason.LENGTH for ids, last in good)
     assert bad_last.finish_reason == FinishReason.ERROR and 4 <= len(bad_ids) < 24
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats.num_free_blocks == stats.num_total_blocks

@@ -63,9 +63,9 @@ def _run_with_aborts(engine, wave, aborted_indices):
 
 def _assert_all_blocks_back(engine):
     s = engine.stats()
-    assert s["num_running"] == s["num_waiting"] == 0
+    assert s.num_running == s.num_waiting == 0
     # free, or cached and evictable
-    assert s["num_free_blocks"] == s["num_total_blocks"]
+    assert s.num_free_blocks == s.num_total_blocks
     bm = engine.core.block_manager
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
     assert bm.num_evictable_blocks == bm.num_cached_blocks
@@ -80,8 +80,8 @@ def waves_and_reference():
         ref_first = [o.token_ids for o in engine.generate(first, GREEDY)]
         second = _second_wave(first, ref_first)
         ref_second = [o.token_ids for o in engine.generate(second, GREEDY)]
-        assert engine.stats()["num_cached_blocks"] == 0
-        assert engine.stats()["num_prefix_cache_hit_tokens"] == 0
+        assert engine.stats().num_cached_blocks == 0
+        assert engine.stats().num_prefix_cache_hit_tokens == 0
     return [first, second], [ref_first, ref_second]
 
 
@@ -104,11 +104,11 @@ def test_same_greedy_outputs_with_caching(waves_and_reference, cfg):
     assert outs == reference
     s = engine.stats()
     # the second wave repeats the first: at least its full blocks are hits
-    assert s["num_prefix_cache_hit_tokens"] >= sum((len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert s.num_prefix_cache_hit_tokens >= sum((len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE
                                                    for p in waves[0]) // 2
-    assert 0.0 < s["prefix_cache_hit_rate"] < 1.0
+    assert 0.0 < s.prefix_cache_hit_rate < 1.0
     if "num_kv_blocks" in cfg:
-        assert s["num_preemptions"] > 0
+        assert s.num_preemptions > 0
         assert engine.core.block_manager.num_evicted_blocks > 0
 
 
@@ -117,8 +117,8 @@ def test_caching_off_recomputes_everything(waves_and_reference):
     outs, engine = _run(waves[:1], num_scheduler_steps=8, enable_prefix_caching=False)
     assert outs == reference[:1]
     s = engine.stats()
-    assert s["num_cached_blocks"] == 0 and s["num_prefix_cache_hit_tokens"] == 0
-    assert s["prefix_cache_hit_rate"] == 0.0
+    assert s.num_cached_blocks == 0 and s.num_prefix_cache_hit_tokens == 0
+    assert s.prefix_cache_hit_rate == 0.0
 
 
 def test_blocks_of_a_prompt_are_found_by_its_chained_hashes(waves_and_reference):
@@ -133,10 +133,10 @@ def test_blocks_of_a_prompt_are_found_by_its_chained_hashes(waves_and_reference)
         hashes = prompt_block_hashes(prompt, BLOCK_SIZE, core.scheduler.root_block_hash)
         assert len(core.block_manager.find_cached_blocks(hashes, len(hashes))) == len(prompt) // BLOCK_SIZE
         # an identical prompt, twice: each computes only its last block, from the cached KV
-        before = core.stats()["num_prefix_cache_hit_tokens"]
+        before = core.stats().num_prefix_cache_hit_tokens
         for _ in range(2):
             assert engine.generate([prompt], GREEDY)[0].token_ids == uncached
-        assert core.stats()["num_prefix_cache_hit_tokens"] - before == 2 * ((len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE
+        assert core.stats().num_prefix_cache_hit_tokens - before == 2 * ((len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE
 
 
 def test_aborts_leave_the_cache_correct(waves_and_reference):

@@ -19,8 +19,8 @@ def _run(prompts, params=GREEDY, **cfg):
     with Engine(EngineConfig(model="tiny", **cfg)) as engine:
         outs = engine.generate(prompts, params)
         stats = engine.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"], "every block must be free again"
-    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats.num_free_blocks == stats.num_total_blocks, "every block must be free again"
+    assert stats.num_running == stats.num_waiting == 0
     return [o.token_ids for o in outs], engine
 
 
@@ -51,7 +51,7 @@ def test_preemption_happens_with_a_tiny_kv_budget():
         while engine.has_unfinished():
             engine.step()
         # outputs under preemption are checked in test_same_greedy_outputs
-        assert engine.stats()["num_preemptions"] > 0
+        assert engine.stats().num_preemptions > 0
         assert engine.core.block_manager.num_free_blocks == 24
 
 
@@ -71,7 +71,7 @@ def test_stops_inside_a_window_emit_nothing_past_the_stop(reference):
             out = engine.output(r)
             cut = ref.index(stop_token) + 1 if stop_token in ref else len(ref)
             assert out.token_ids == ref[:cut]
-        assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
     # max_tokens inside a window
     outs, _ = _run(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
                    num_scheduler_steps=8)
@@ -192,7 +192,7 @@ def test_abort_frees_blocks_and_leaves_others_intact(reference):
             else:
                 assert out.token_ids == ref
         s = engine.stats()
-        assert s["num_free_blocks"] == s["num_total_blocks"]
+        assert s.num_free_blocks == s.num_total_blocks
 
 
 @pytest.mark.parametrize("block_size, num_scheduler_steps, max_model_len", [
@@ -225,4 +225,4 @@ def test_the_longest_prompt_runs_on_the_smallest_kv_budget(block_size, num_sched
         assert len(engine.output(longest).token_ids) == 1  # the context is full
         assert len(engine.output(behind).token_ids) == 40
         s = engine.stats()
-        assert s["num_free_blocks"] == s["num_total_blocks"]
+        assert s.num_free_blocks == s.num_total_blocks

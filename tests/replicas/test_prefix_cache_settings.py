@@ -26,5 +26,15 @@ def test_replica_metrics_record_the_prefix_cache_stats():
     for name in ("prefix_cache_hit_rate", "num_cached_blocks"):
         gauge = getattr(metrics, name)
         gauge.set = lambda value, tags=None, name=name: recorded.__setitem__(name, value)
-    metrics.record_stats({"prefix_cache_hit_rate": 0.75, "num_cached_blocks": 12})
+    metrics.record_stats(_replica_stats(prefix_cache_hit_rate=0.75, num_cached_blocks=12))
     assert recorded == {"prefix_cache_hit_rate": 0.75, "num_cached_blocks": 12}
+
+
+def _replica_stats(**engine_fields):
+    import dataclasses
+
+    from cluster.replica_stats import ReplicaCounts, ReplicaStats
+    from replicas.engine_stats import EngineStats
+
+    fields = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+    return ReplicaStats(EngineStats(**{**fields, **engine_fields}), ReplicaCounts(), "r", 0)

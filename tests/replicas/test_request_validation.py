@@ -52,3 +52,24 @@ def test_a_kv_budget_too_small_for_one_sequence_fails_at_start_up():
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         make_block_manager(needed - 1, config, max_model_len=64)
     assert make_block_manager(needed, config, max_model_len=64).num_blocks == needed
+
+
+def test_every_refusal_names_its_field_and_the_api_rule_refuses_what_the_engine_cuts():
+    from replicas.config import InvalidValue
+
+    cases = [([], SamplingParams(), "prompt"), ([1, 100], SamplingParams(), "prompt"),
+             (list(range(16)), SamplingParams(), "prompt"),
+             ([1], SamplingParams(stop_token_ids=[100]), "stop_token_ids")]
+    for prompt, params, param in cases:
+        with pytest.raises(InvalidValue) as info:
+            LIMITS.check(prompt, params)
+        assert info.value.param == param, info.value
+    with pytest.raises(InvalidValue) as info:
+        SamplingParams(top_p=0)
+    assert info.value.param == "top_p"
+    # 10 prompt tokens leave 6 of 16: the engine cuts max_tokens=8 to 6, the API refuses it
+    assert LIMITS.check([1] * 10, SamplingParams(max_tokens=8)) == 6
+    with pytest.raises(InvalidValue) as info:
+        LIMITS.check([1] * 10, SamplingParams(max_tokens=8), must_fit=True)
+    assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
+    assert LIMITS.check([1] * 10, SamplingParams(max_tokens=6), must_fit=True) == 6
