@@ -49,14 +49,14 @@ def serve_app(app_args: dict, engine_factory=None, num_cpus: int = 4):
         ray.shutdown()
 
 
-def _start_serve_on_a_free_port(port: int, num_tries: int = 3) -> int:
-    """serve.start on `port`; if another process took the port since it was picked
-    (a free port is only free when asked), again on a new one."""
+def _start_serve_on_a_free_port(port: int, num_tries: int = 3, **start_options) -> int:
+    """serve.start on `port` (and `start_options`); if another process took the port
+    since it was picked (a free port is only free when asked), again on a new one."""
     from ray import serve
 
     for attempt in range(num_tries):
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.start(http_options={"host": "127.0.0.1", "port": port}, **start_options)
             return port
         except Exception as e:  # noqa: BLE001 - Ray wraps the proxy's bind error
             if "Failed to bind" not in str(e) or attempt == num_tries - 1:

@@ -10,6 +10,7 @@ import yaml
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SERVE_CONFIGS = ["serve.yaml", "serve-gpu.yaml"]
 CLUSTER_CONFIGS = ["cluster.yaml", "cluster-local.yaml"]
+KUBE_CONFIGS = ["rayservice.yaml"]  # tests/cluster/test_multinode_configs.py
 
 
 def _load(name: str) -> dict:
@@ -17,7 +18,8 @@ def _load(name: str) -> dict:
 
 
 def test_every_config_file_is_covered():
-    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(SERVE_CONFIGS + CLUSTER_CONFIGS)
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(
+        SERVE_CONFIGS + CLUSTER_CONFIGS + KUBE_CONFIGS)
 
 
 @pytest.mark.parametrize("name", SERVE_CONFIGS)
