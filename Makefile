@@ -6,6 +6,8 @@ PYTHON ?= python3
 STAMP := $(VENV)/.installed
 # Flags for `make serve`, e.g. make serve SERVE_FLAGS="--port 8001 --num-scheduler-steps 4"
 SERVE_FLAGS ?=
+# Flags for `make bench` (the offline engine benchmark), e.g. make bench BENCH_FLAGS="--matrix --models tiny"
+BENCH_FLAGS ?=
 
 .PHONY: serve test install bench clean
 
@@ -26,7 +28,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m loadtests.bench_engine
+	$(PY) -m loadtests.bench_engine $(BENCH_FLAGS)
 
 clean:
 	rm -rf $(VENV)

@@ -3,6 +3,8 @@
     python -m loadtests.bench --base-url http://127.0.0.1:8000 --model tiny \\
         --dataset-name random --random-input-len 128 --random-output-len 128 \\
         --ignore-eos --num-prompts 200 --max-concurrency 64 --save-result --plot
+    python -m loadtests.bench compare|http|routing ...   # loadtests/serving_matrix.py
+    python -m loadtests.bench sharegpt-sample             # loadtests/sharegpt_sample.py
 
 Talks HTTP to any OpenAI-compatible server. Library use:
 `result = asyncio.run(run_benchmark(config))` with a BenchConfig, a dict of its
@@ -16,8 +18,9 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -37,47 +40,55 @@ from loadtests.openai_stream import COMPLETIONS, CHAT_COMPLETIONS, join_url
 DATASET_NAMES = ("random", "sharegpt", "prefix", "multiturn")
 
 
+def _flag(default, help: str | None = "", *aliases: str, choices=None):
+    """A BenchConfig field and its command-line flag (help, more names, choices)."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices})
+
+
 @dataclass(slots=True)
 class BenchConfig:
-    base_url: str | None = None
+    """One run. Each field is a flag of the same name (vLLM's flags), see make_parser."""
+    base_url: str | None = _flag(None, "e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     host: str = "127.0.0.1"
     port: int = 8000
-    endpoint: str = COMPLETIONS
+    endpoint: str = _flag(COMPLETIONS, choices=(COMPLETIONS, CHAT_COMPLETIONS))
     model: str = "tiny"
-    tokenizer: str | None = None
-    api_key: str | None = None
-    dataset_name: str = "sharegpt"
-    dataset_path: str | None = None
+    tokenizer: str | None = _flag(None, "HF dir or tokenizer.json; default: --model if a dir")
+    api_key: str | None = _flag(None, "default: $OPENAI_API_KEY")
+    dataset_name: str = _flag("sharegpt", choices=DATASET_NAMES)
+    dataset_path: str | None = _flag(None, "ShareGPT JSON; default: the bundled sample")
     num_prompts: int = 1000
-    random_input_len: int = 1024
-    random_output_len: int = 128
+    random_input_len: int = _flag(1024, "prompt tokens of the random dataset", "--input-len")
+    random_output_len: int = _flag(128, "output tokens of the random and prefix datasets",
+                                   "--output-len")
     random_range_ratio: float = 0.0
-    sharegpt_output_len: int | None = None
-    # dataset "prefix": a shared prefix (system prompt) plus a unique suffix per
-    # request; outputs of random_output_len tokens.
-    prefix_len: int = 1024
-    suffix_len: int = 64
-    num_prefixes: int = 1
+    sharegpt_output_len: int | None = _flag(None, "also for multiturn")
+    prefix_len: int = _flag(1024, "prefix dataset: tokens of the shared prefix (system prompt)")
+    suffix_len: int = _flag(64, "prefix dataset: tokens of each request's unique suffix")
+    num_prefixes: int = _flag(1, "prefix dataset: distinct shared prefixes, used round robin")
     ignore_eos: bool = False
-    temperature: float | None = None  # None: not sent, so the server's default (1.0)
-    # The pid of the server's root process (a local app's launcher): the result then
-    # holds the CPU time per output token of each of its processes' roles.
-    server_pid: int | None = None
-    request_rate: float = math.inf
+    temperature: float | None = _flag(
+        None, "sent with every request; default: none sent (the server's default, 1.0 in the "
+        "OpenAI API); 0 is greedy")
+    server_pid: int | None = _flag(
+        None, "the server's root process (e.g. `pgrep -f cluster.serve_local`): report CPU us "
+        "per output token by process role (front door, ingress, engine, ray, client), read "
+        "from /proc; same machine only")
+    request_rate: float = _flag(math.inf, "req/s; inf sends all at once")
     burstiness: float = 1.0
     max_concurrency: int | None = None
     seed: int = 0
-    disable_stream: bool = False
+    disable_stream: bool = _flag(False, "stream=false: TTFT = latency")
     metric_percentiles: str = "99"
-    timeout: float = 300.0  # seconds per request
-    run_timeout: float = 3600.0  # seconds for the whole run; the rest is cancelled
-    ready_check_timeout_sec: float = 60.0  # 0: skip the initial test request
+    timeout: float = _flag(300.0, "seconds per request")
+    run_timeout: float = _flag(3600.0, "seconds for the whole run; the rest is cancelled")
+    ready_check_timeout_sec: float = _flag(60.0, "one test request must succeed first; 0 skips it")
     save_result: bool = False
     result_dir: str | None = None
     result_filename: str | None = None
-    plot: bool = False
+    plot: bool = _flag(False, "write a PNG of TTFT/TPOT/ITL distributions")
     disable_tqdm: bool = False
-    print_result: bool = True
+    print_result: bool = _flag(True, None)  # None: no flag (library use)
 
     def __post_init__(self) -> None:
         if self.dataset_name not in DATASET_NAMES:
@@ -247,60 +258,47 @@ def _write_outputs(cfg: BenchConfig, result: dict) -> None:
 
         path = _result_path(cfg, stamp, ".png")
         path.parent.mkdir(parents=True, exist_ok=True)
-        plot_distributions(result["requests"], path, title=f"{cfg.model} {cfg.endpoint}")
+        rate = "inf" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:g}"
+        title = (f"{cfg.model} {cfg.endpoint}, {cfg.dataset_name}: {cfg.num_prompts} prompts, "
+                 f"rate {rate} req/s, concurrency {cfg.max_concurrency or 'unbounded'}, "
+                 f"temperature {'server default' if cfg.temperature is None else cfg.temperature}")
+        plot_distributions(result["requests"], path, title=title)
         result["plot_path"] = str(path)
 
 
-def make_parser() -> argparse.ArgumentParser:
-    d = BenchConfig()
-    p = argparse.ArgumentParser(description="Benchmark an OpenAI-compatible server (vLLM's flags).")
-    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (overrides --host/--port)")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--endpoint", default=d.endpoint, choices=[COMPLETIONS, CHAT_COMPLETIONS])
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--tokenizer", default=None, help="HF dir or tokenizer.json; default: --model if a dir")
-    p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
-    p.add_argument("--dataset-name", default=d.dataset_name, choices=list(DATASET_NAMES))
-    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON; default: the bundled sample")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
-    p.add_argument("--random-input-len", type=int, default=d.random_input_len)
-    p.add_argument("--random-output-len", type=int, default=d.random_output_len,
-                   help="output tokens of the random and prefix datasets")
-    p.add_argument("--random-range-ratio", type=float, default=d.random_range_ratio)
-    p.add_argument("--sharegpt-output-len", type=int, default=None, help="also for multiturn")
-    p.add_argument("--prefix-len", type=int, default=d.prefix_len,
-                   help="prefix dataset: tokens of the shared prefix (system prompt)")
-    p.add_argument("--suffix-len", type=int, default=d.suffix_len,
-                   help="prefix dataset: tokens of each request's unique suffix")
-    p.add_argument("--num-prefixes", type=int, default=d.num_prefixes,
-                   help="prefix dataset: distinct shared prefixes, used round robin")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="sent with every request; default: none sent (the server's default, "
-                        "1.0 in the OpenAI API); 0 is greedy")
-    p.add_argument("--server-pid", type=int, default=None,
-                   help="the server's root process (e.g. `pgrep -f cluster.serve_local`): report "
-                        "CPU us per output token by process role (front door, ingress, engine, "
-                        "ray, client), read from /proc; same machine only")
-    p.add_argument("--request-rate", type=float, default=d.request_rate, help="req/s; inf sends all at once")
-    p.add_argument("--burstiness", type=float, default=d.burstiness)
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--disable-stream", action="store_true", help="stream=false: TTFT = latency")
-    p.add_argument("--metric-percentiles", default=d.metric_percentiles)
-    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds per request")
-    p.add_argument("--run-timeout", type=float, default=d.run_timeout, help="seconds for the whole run")
-    p.add_argument("--ready-check-timeout-sec", type=float, default=d.ready_check_timeout_sec)
-    p.add_argument("--save-result", action="store_true")
-    p.add_argument("--result-dir", default=None)
-    p.add_argument("--result-filename", default=None)
-    p.add_argument("--plot", action="store_true", help="write a PNG of TTFT/TPOT/ITL distributions")
-    p.add_argument("--disable-tqdm", action="store_true")
+def _scalar(hint: str) -> type:
+    """"int | None" -> int (annotations are strings here)."""
+    return {"int": int, "float": float, "str": str}[hint.split(" | ")[0]]
+
+
+def make_parser(prog: str = "python -m loadtests.bench",
+                description: str = "Benchmark an OpenAI-compatible server (vLLM's flags).",
+                ) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    for f in dataclasses.fields(BenchConfig):
+        help_text = f.metadata.get("help", "")
+        if help_text is None:
+            continue
+        names = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        if f.type == "bool":
+            p.add_argument(*names, action="store_true", help=help_text)
+        else:
+            p.add_argument(*names, type=_scalar(f.type), default=f.default, help=help_text,
+                           choices=f.metadata.get("choices"))
     return p
 
 
+MATRIX_MODES = ("compare", "http", "routing")  # loadtests/serving_matrix.py
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "sharegpt-sample":
+        from loadtests.sharegpt_sample import main as write_sample
+        return write_sample(argv[1:])
+    if argv and argv[0] in MATRIX_MODES:
+        from loadtests import serving_matrix
+        return serving_matrix.main(argv[0], argv[1:])
     result = asyncio.run(run_benchmark(make_parser().parse_args(argv)))
     for key in ("result_path", "plot_path"):
         if key in result:

@@ -1,148 +1,102 @@
 """Offline, in-process engine benchmark (no HTTP): `python -m loadtests.bench_engine`.
 
-Default: the `tiny` and `small` presets at 1, 16 and 64 concurrent requests
-(128 prompt / 128 output tokens, ignore_eos, greedy), beside transformers'
-`generate` on the same workload (one request at a time, and one batch), with
-ratios. `--matrix`: N=1 vs N=8, async off vs on, release per step vs per window
-vs no streaming, at 64 and 256 concurrent streams (128 in / 256 out); plus the
-output-processing CPU time per token at output lengths 128 and 2048.
-
-Timings are taken where a consumer sees them: TTFT at the first delta, ITL per
-delta received (as vLLM's benchmark measures per chunk), TPOT per request.
+One mode per run, every one on the runner of loadtests/engine_runner.py (greedy,
+ignore_eos, 128-token prompts unless said):
+- default: the `tiny` and `small` presets at 1, 16 and 64 concurrent requests (128
+  output tokens), beside transformers' `generate` on the same workload (one request
+  at a time, and one batch), with ratios;
+- `--matrix`: N=1 vs N=8, async off vs on, release per step vs per window vs no
+  streaming, at 64 and 256 concurrent streams (256 out); plus the output-processing
+  CPU time per token at output lengths 128 and 2048;
+- `--ceiling`: the engine against its model's raw forward and an earlier revision
+  (`--baseline-ref`), with a profiled step breakdown (loadtests/engine_ceiling.py);
+- `--process`: the engine loop on a thread vs in its own process, and per torch
+  thread count (`--num-threads 1 2`), 200 streams;
+- `--prefix`: prefix caching on vs off: a shared 1,024-token prefix plus unique
+  64-token suffixes at concurrency 1 and 16, and a replay of the ShareGPT sample's
+  multi-turn conversations (TTFT by turn).
+Configurations of a table are interleaved round by round (`--repeats`), medians.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
 import json
 import os
-import random
-import statistics
 import time
 
-import numpy as np
-
-from replicas import EngineConfig, SamplingParams
-from replicas.async_engine import AsyncEngine
 from deltas.types import OutputKind
+from loadtests import datasets
+from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_engine,
+                                     run_process_engine, sessions_of)
+from loadtests.metrics import format_table, median_rows, ratio
+
+MODES = ("matrix", "ceiling", "process", "prefix")
+# per mode: models, concurrency, output_len, repeats
+DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
+            "matrix": (["tiny", "small"], [64, 256], 256, 1),
+            "ceiling": (["tiny"], [200], 128, 1), "process": (["tiny"], [200], 128, 2),
+            "prefix": (["tiny"], [1, 16], 128, 3)}
+TOK_S = ("output_throughput", "tok/s", ".0f")
+TTFT = ("median_ttft_ms", "TTFT p50 ms", ".1f")
+TPOT = [("median_tpot_ms", "TPOT p50 ms", ".2f"), ("p99_tpot_ms", "p99", ".2f")]
+ITL = [("median_itl_ms", "ITL p50 ms", ".2f"), ("p99_itl_ms", "p99", ".2f")]
+HIT = ("prefix_cache_hit_rate", "hit rate", ".2f")
 
 
-def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(5, 8192) for _ in range(length)] for _ in range(n)]
+def interleaved(runs: dict, repeats: int) -> dict[str, dict]:
+    """{name: () -> row}, run round by round (a noisy machine): median rows."""
+    return median_rows([{name: fn() for name, fn in runs.items()} for _ in range(repeats)])
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
+def _print(title: str, rows: dict, columns, **kw) -> None:
+    print(f"\n{title}\n{format_table(rows, columns, **kw)}", flush=True)
 
 
-async def _stream(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams,
-                  sem: asyncio.Semaphore) -> dict:
-    async with sem:
-        start = time.perf_counter()
-        times, n = [], 0
-        async for delta in engine.generate(rid, prompt, params):
-            if delta.token_ids:
-                times.append(time.perf_counter())
-                n += len(delta.token_ids)
-        return {"start": start, "chunk_times": times, "num_tokens": n}
-
-
-def run_engine(config: EngineConfig, num_requests: int, concurrency: int, input_len: int,
-               output_len: int, kind: OutputKind = OutputKind.DELTA,
-               temperature: float = 0.0) -> dict:
-    """Run one configuration and summarise it the way benchmark_serving does.
-    `temperature` 0 is greedy; OpenAI clients that send none get 1.0."""
-    engine = AsyncEngine(config)
-    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
-                            output_kind=kind)
-    prompts = _prompts(num_requests, input_len, seed=1)
-    try:
-        async def warm():
-            async for _ in engine.generate("warmup", prompts[0][:8], SamplingParams(max_tokens=4)):
-                pass
-
-        async def main():
-            sem = asyncio.Semaphore(concurrency)
-            return await asyncio.gather(*[_stream(engine, f"r{i}", p, params, sem)
-                                          for i, p in enumerate(prompts)])
-        asyncio.run(warm())
-        cpu0 = engine.core.output.cpu_time_s
-        tokens0 = engine.core.output.num_output_tokens
-        t0 = time.perf_counter()
-        records = asyncio.run(main())
-        duration = time.perf_counter() - t0
-        out_cpu = engine.core.output.cpu_time_s - cpu0
-        out_tokens = engine.core.output.num_output_tokens - tokens0
-    finally:
-        engine.shutdown()
-        gc.collect()
-    ttft, tpot, itl, chunk_sizes, latency = [], [], [], [], []
-    total = 0
-    for r in records:
-        t = r["chunk_times"]
-        total += r["num_tokens"]
-        ttft.append((t[0] - r["start"]) * 1e3)
-        latency.append((t[-1] - r["start"]) * 1e3)
-        if r["num_tokens"] > 1 and len(t) > 1:  # a single delta (no streaming) has no TPOT
-            tpot.append((t[-1] - t[0]) * 1e3 / (r["num_tokens"] - 1))
-        itl += [(b - a) * 1e3 for a, b in zip(t, t[1:])]
-        chunk_sizes.append(r["num_tokens"] / len(t))
-    return {
-        "output_tokens_per_s": total / duration, "duration_s": duration, "num_output_tokens": total,
-        "median_ttft_ms": _pct(ttft, 50), "median_latency_ms": _pct(latency, 50), "median_tpot_ms": _pct(tpot, 50), "p99_tpot_ms": _pct(tpot, 99),
-        "median_itl_ms": _pct(itl, 50), "p99_itl_ms": _pct(itl, 99),
-        "mean_tokens_per_delta": statistics.fmean(chunk_sizes),
-        "output_cpu_us_per_token": out_cpu * 1e6 / max(out_tokens, 1),
-    }
-
-
+# -- default: the engine beside transformers ---------------------------------------------
 def run_transformers(model_dir: str, batch: int, num_requests: int, input_len: int, output_len: int) -> dict:
     """transformers' greedy generate on the same workload, `batch` prompts at a time."""
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    prompts = _prompts(num_requests, input_len, seed=1)
-    tpot, total = [], 0
+    prompts = random_prompts(num_requests, input_len)
+    total = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, num_requests, batch):
             ids = torch.tensor(prompts[i:i + batch])  # equal lengths: no padding needed
-            s = time.perf_counter()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
                                  min_new_tokens=output_len, do_sample=False, pad_token_id=4)
-            elapsed = time.perf_counter() - s
             total += (out.shape[1] - ids.shape[1]) * ids.shape[0]
-            tpot.append(elapsed * 1e3 / output_len)
-    duration = time.perf_counter() - t0
-    return {"output_tokens_per_s": total / duration, "median_tpot_ms": statistics.median(tpot)}
+    return {"output_throughput": total / (time.perf_counter() - t0)}
 
 
-def _cfg(model: str, **kw) -> EngineConfig:
-    return EngineConfig(model=model, max_num_seqs=max(256, kw.pop("max_num_seqs", 256)), **kw)
-
-
-def core_table(models: list[str], concurrencies: list[int], hf_batch_max: int) -> list[dict]:
+def core_mode(args) -> dict:
     from replicas.presets import ensure_model_dir
-    rows = []
-    for model in models:
+    rows = {}
+    for model in args.models:
         model_dir = ensure_model_dir(model)
-        hf_single = run_transformers(model_dir, 1, 2, 128, 128)
-        for c in concurrencies:
+        single = run_transformers(model_dir, 1, 2, args.input_len, args.output_len)
+        for c in args.concurrency:
             n = max(c, 4)
-            ours = run_engine(_cfg(model), n, c, 128, 128)
-            hf_batch = run_transformers(model_dir, min(c, hf_batch_max), min(c, hf_batch_max), 128, 128) \
-                if c > 1 else hf_single
-            rows.append({"model": model, "concurrency": c, "engine": ours, "hf_one_at_a_time": hf_single,
-                         "hf_batched": hf_batch,
-                         "speedup_vs_hf_single": ours["output_tokens_per_s"] / hf_single["output_tokens_per_s"],
-                         "speedup_vs_hf_batched": ours["output_tokens_per_s"] / hf_batch["output_tokens_per_s"]})
-            _print_core_row(rows[-1])
+            row = run_engine(engine_config(model), sessions_of(random_prompts(n, args.input_len),
+                                                               greedy(args.output_len)), c)
+            batch = min(c, args.hf_batch_max)
+            batched = run_transformers(model_dir, batch, batch, args.input_len, args.output_len) \
+                if c > 1 else single
+            row.update(hf_single=single["output_throughput"], hf_batched=batched["output_throughput"])
+            row["x_hf_single"] = ratio(row["output_throughput"], row["hf_single"])
+            row["x_hf_batched"] = ratio(row["output_throughput"], row["hf_batched"])
+            rows[f"{model} c={c}"] = row
+        _print(f"{model}: {args.input_len} in / {args.output_len} out, greedy; HF = transformers' "
+               "generate", {k: r for k, r in rows.items() if k.startswith(model + " ")},
+               [TOK_S, TPOT[0], ("hf_single", "HF single tok/s", ".0f"),
+                ("hf_batched", "HF batched tok/s", ".0f"), ("x_hf_single", "x HF single", ".1f"),
+                ("x_hf_batched", "x HF batched", ".2f")])
     return rows
 
 
+# -- --matrix --------------------------------------------------------------------------
 MATRIX = {  # name -> (EngineConfig overrides, output kind)
     "N1-sync": (dict(num_scheduler_steps=1, async_output=False), OutputKind.DELTA),
     "N1-async": (dict(num_scheduler_steps=1, async_output=True), OutputKind.DELTA),
@@ -153,129 +107,165 @@ MATRIX = {  # name -> (EngineConfig overrides, output kind)
 }
 
 
-def matrix_table(models: list[str], concurrencies: list[int], output_len: int, repeats: int) -> list[dict]:
-    rows = []
-    for model in models:
-        for c in concurrencies:
-            # NOTE: configurations interleaved, `repeats` rounds, medians: noisy machine
-            runs: dict[str, list[dict]] = {name: [] for name in MATRIX}
-            for _ in range(repeats):
-                for name, (over, kind) in MATRIX.items():
-                    runs[name].append(run_engine(_cfg(model, **over), c, c, 128, output_len, kind))
-            for name, rs in runs.items():
-                row = {"model": model, "concurrency": c, "config": name,
-                       **{k: statistics.median(r[k] for r in rs) for k in rs[0]}}
-                rows.append(row)
-            _print_matrix(rows[-len(MATRIX):])
-    return rows
+def _matrix_row(model: str, c: int, input_len: int, output_len: int, name: str) -> dict:
+    over, kind = MATRIX[name]
+    row = run_engine(engine_config(model, **over), sessions_of(
+        random_prompts(c, input_len), greedy(output_len, output_kind=kind)), c)
+    if kind == OutputKind.FINAL_ONLY:  # one delta per request: TPOT and ITL mean nothing
+        row.update(dict.fromkeys([k for k, _, _ in TPOT + ITL]))
+    return row
 
 
-def output_cost_table(model: str, lengths: list[int]) -> list[dict]:
-    rows = []
+def matrix_mode(args) -> dict:
+    out = {"matrix": {}, "output_cost": {}}
+    for model in args.models:
+        for c in args.concurrency:
+            rows = interleaved({name: lambda name=name: _matrix_row(
+                model, c, args.input_len, args.output_len, name) for name in MATRIX}, args.repeats)
+            out["matrix"][f"{model} c={c}"] = rows
+            _print(f"{model}, {c} streams", rows, [TOK_S, *TPOT, *ITL,
+                   ("mean_tokens_per_chunk", "tok/delta", ".2f")], name_header="config",
+                   baseline="N1-sync", ratio_columns=[("output_throughput", "tok/s x")])
+            step, window = rows["N8-async-step"], rows["N8-async-window"]
+            print(f"per-step vs per-window: TPOT cost "
+                  f"{100 * (step['median_tpot_ms'] / window['median_tpot_ms'] - 1):+.1f}%, median ITL "
+                  f"{window['median_itl_ms'] / step['median_itl_ms']:.1f}x better", flush=True)
+    lengths = (128, 2048)
     for n in lengths:
-        r = run_engine(_cfg(model, num_scheduler_steps=8, max_model_len=max(lengths) + 64), 16, 16, 16, n)
-        rows.append({"output_len": n, "output_cpu_us_per_token": r["output_cpu_us_per_token"]})
-    base = rows[0]["output_cpu_us_per_token"]
-    print("\nOutput processing CPU time per token (tiny, N=8, 16 streams)")
-    for r in rows:
-        r["ratio_vs_first"] = r["output_cpu_us_per_token"] / base
-        print(f"  output_len {r['output_len']:>5}: {r['output_cpu_us_per_token']:.2f} us/token "
-              f"({r['ratio_vs_first']:.2f}x)")
-    return rows
+        row = run_engine(engine_config("tiny", num_scheduler_steps=8, max_model_len=max(lengths) + 64),
+                         sessions_of(random_prompts(16, 16), greedy(n)), 16)
+        out["output_cost"][f"output_len {n}"] = row
+    _print("Output processing CPU time per token (tiny, N=8, 16 streams)", out["output_cost"],
+           [("output_cpu_us_per_token", "us/token", ".2f")], baseline=f"output_len {lengths[0]}",
+           ratio_columns=[("output_cpu_us_per_token", "x")])
+    return out
 
 
-def _print_core_row(r: dict) -> None:
-    e, s, b = r["engine"], r["hf_one_at_a_time"], r["hf_batched"]
-    print(f"{r['model']:<6} c={r['concurrency']:<3} engine {e['output_tokens_per_s']:8.0f} tok/s "
-          f"TPOT {e['median_tpot_ms']:6.1f} ms | HF single {s['output_tokens_per_s']:7.0f} tok/s "
-          f"| HF batch {b['output_tokens_per_s']:7.0f} tok/s | x{r['speedup_vs_hf_single']:.1f} single, "
-          f"x{r['speedup_vs_hf_batched']:.2f} batched", flush=True)
+# -- --process -----------------------------------------------------------------------------
+def process_mode(args) -> dict:
+    out = {}
+    for model in args.models:
+        for n in args.concurrency:
+            work = lambda: sessions_of(random_prompts(n, args.input_len), greedy(args.output_len))  # noqa: E731
+            runs = {"thread": lambda: run_engine(engine_config(model), work(), n)}
+            runs.update({f"thread, {t} torch threads": lambda t=t: run_engine(
+                engine_config(model, num_threads=t), work(), n) for t in args.num_threads})
+            runs["process"] = lambda: run_process_engine(dict(model=model, max_num_seqs=256), work(), n)
+            rows = out[f"{model} c={n}"] = interleaved(runs, args.repeats)
+            _print(f"{model}, {n} streams, {args.input_len} in / {args.output_len} out; medians of "
+                   f"{args.repeats} interleaved rounds", rows, [TOK_S, TPOT[0], *ITL, TTFT],
+                   name_header="engine loop in", baseline="thread",
+                   ratio_columns=[("output_throughput", "tok/s x")])
+            print("tok/s by round: " + "; ".join(f"{name} {[round(x) for x in r['rounds_output_throughput']]}"
+                                                 for name, r in rows.items()), flush=True)
+    return out
 
 
-def _print_matrix(rows: list[dict]) -> None:
-    base = {r["config"]: r for r in rows}
-    print(f"\n{rows[0]['model']}, {rows[0]['concurrency']} streams")
-    print(f"{'config':<18}{'tok/s':>8}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'tok/delta':>10}"
-          f"{'x tok/s vs N1-sync':>20}")
-    for r in rows:
-        ratio = r["output_tokens_per_s"] / base["N1-sync"]["output_tokens_per_s"]
-        print(f"{r['config']:<18}{r['output_tokens_per_s']:8.0f}{r['median_tpot_ms']:10.2f}"
-              f"{r['p99_tpot_ms']:8.2f}{r['median_itl_ms']:9.2f}{r['p99_itl_ms']:8.2f}"
-              f"{r['mean_tokens_per_delta']:10.2f}{ratio:20.2f}")
-    step, window = base["N8-async-step"], base["N8-async-window"]
-    print(f"per-step vs per-window: TPOT cost {100 * (step['median_tpot_ms'] / window['median_tpot_ms'] - 1):+.1f}%"
-          f", median ITL {window['median_itl_ms'] / step['median_itl_ms']:.1f}x better; "
-          f"N8-async-step vs N1-sync throughput {step['output_tokens_per_s'] / base['N1-sync']['output_tokens_per_s']:.2f}x",
-          flush=True)
+# -- --prefix ------------------------------------------------------------------------------
+def chat_conversations(tokenizer_dir: str, max_prompt_len: int) -> list[list[tuple[list[int], int]]]:
+    """The sample's multi-turn conversations: per turn, (prompt ids, recorded reply tokens)."""
+    tok = datasets.HFTokenizer(tokenizer_dir)
+    out = []
+    for turns in datasets.load_sharegpt_conversations(datasets.DEFAULT_SHAREGPT_PATH):
+        conv = []
+        for prompt, reply in datasets.conversation_prompts(turns):
+            ids = tok.encode(prompt)
+            if len(ids) > max_prompt_len:
+                break
+            conv.append((ids, len(tok.encode(reply))))
+        if len(conv) >= 2:
+            out.append(conv)
+    return out
 
 
-def ceiling_run(model: str, num_seqs: int, args) -> dict:
-    from loadtests import bench_ceiling as bc
-    output_len = args.output_len or 128
-    if num_seqs > 256:
-        raise SystemExit("--ceiling decodes every stream in one batch, and the engine runs at "
-                         "most max_num_seqs=256 at once: use --concurrency <= 256")
-    config = _cfg(model)
-    result = {"workload": {"model": model, "num_seqs": num_seqs, "input_len": args.input_len,
-                           "output_len": output_len}, "baseline_ref": args.baseline_ref}
-    result["engine"] = bc.compare_with_baseline(model, num_seqs, args.input_len, output_len,
-                                                args.baseline_ref, args.repeats, args.current_ref)
-    if args.current_ref:  # two revisions' engines only: the rest measures the working tree
-        cur, base = result["engine"]["current"], result["engine"].get("baseline")
-        print(f"\n{model}, {num_seqs} streams: engine at {args.current_ref} "
-              f"{cur['output_tokens_per_s']:.0f} tok/s (rounds {[round(x) for x in cur['runs_tokens_per_s']]})"
-              + (f", at {args.baseline_ref} {base['output_tokens_per_s']:.0f} tok/s (rounds "
-                 f"{[round(x) for x in base['runs_tokens_per_s']]}): "
-                 f"{cur['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else ""))
-        return result
-    result["ceiling"] = bc.raw_forward(config, num_seqs, args.input_len, output_len)
-    trace = os.path.join(args.result_dir, f"engine_trace_{model}_{num_seqs}.json")
-    result["breakdown"] = bc.profile_breakdown(config, num_seqs, args.input_len, output_len, trace)
-    if args.baseline_ref:
-        with bc.source_tree_at(args.baseline_ref) as tree:
-            result["baseline_breakdown"] = bc.breakdown_in_subprocess(
-                tree, model, num_seqs, args.input_len, output_len,
-                os.path.join(args.result_dir, f"engine_trace_{model}_{num_seqs}_baseline.json"))
-    bc.print_report(result)
-    return result
+def chat_sessions(conversations, max_output_len: int):
+    return [[(ids, greedy(min(reply_len, max_output_len))) for ids, reply_len in conv]
+            for conv in conversations]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--matrix", action="store_true", help="the multi-step/async/streaming matrix")
-    ap.add_argument("--models", nargs="+", default=["tiny", "small"])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=None)
-    ap.add_argument("--output-len", type=int, default=None,
-                    help="output length: --matrix 256, --ceiling 128 unless given")
-    ap.add_argument("--repeats", type=int, default=1, help="matrix / ceiling rounds (medians)")
-    ap.add_argument("--hf-batch-max", type=int, default=64)
-    ap.add_argument("--result-dir", default="results")
-    ap.add_argument("--ceiling", action="store_true",
-                    help="raw forward vs the engine on one workload, with a profiled step "
-                         "breakdown (loadtests/bench_ceiling.py); defaults: tiny, 200 streams")
-    ap.add_argument("--baseline-ref", default=None,
-                    help="with --ceiling: also run the engine at this git revision, interleaved")
-    ap.add_argument("--current-ref", default=None,
-                    help="with --ceiling: compare only the engines of this revision and --baseline-ref")
+def prefix_mode(args) -> dict:
+    from replicas.presets import resolve_tokenizer_dir
+    model = args.models[0]
+    configs = {name: engine_config(model, enable_prefix_caching=name == "on") for name in ("on", "off")}
+    out = {"shared_prefix": {}, "chat": {}}
+    for c in args.concurrency:
+        n = args.num_prompts or (8 if c == 1 else 4 * c)
+        work = sessions_of(random_prompts(n, args.suffix_len, seed=c, prefix_len=args.prefix_len),
+                           greedy(args.output_len))
+        rows = out["shared_prefix"][f"c={c}"] = interleaved(
+            {name: lambda cfg=cfg: run_engine(cfg, work, c) for name, cfg in configs.items()}, args.repeats)
+        _print(f"{model}: {args.prefix_len}-token shared prefix + {args.suffix_len}-token suffix, "
+               f"{args.output_len} out, {n} prompts, concurrency {c}", rows,
+               [TTFT, ("p90_ttft_ms", "TTFT p90 ms", ".1f"), TOK_S, HIT], name_header="caching",
+               baseline="off", ratio_columns=[("median_ttft_ms", "TTFT x"), ("output_throughput", "tok/s x")])
+    # NOTE: 2048 is the presets' context; longer turns end their conversation.
+    convs = chat_conversations(resolve_tokenizer_dir(model), 2048 - args.chat_output_len - 1)
+    convs = convs[:args.chat_conversations or None]
+    for c in args.chat_concurrency:
+        work = chat_sessions(convs, args.chat_output_len)
+        rows = out["chat"][f"c={c}"] = interleaved(
+            {name: lambda cfg=cfg: run_engine(cfg, work, c) for name, cfg in configs.items()}, args.repeats)
+        _print(f"{model}: multi-turn chat replay, {len(convs)} conversations "
+               f"({sum(map(len, convs))} turns), {c} at once", rows,
+               [("median_ttft_turn1_ms", "TTFT turn 1", ".1f"), ("median_ttft_turn2_ms", "turn 2", ".1f"),
+                ("median_ttft_turn3+_ms", "turn 3+", ".1f"), TTFT, TOK_S, HIT], name_header="caching",
+               baseline="off", ratio_columns=[("median_ttft_ms", "TTFT x")])
+    return out
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m loadtests.bench_engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    modes = ap.add_mutually_exclusive_group()
+    for mode in MODES:
+        modes.add_argument(f"--{mode}", action="store_true")
+    ap.add_argument("--models", "--model", nargs="+", default=None, help="default: per mode")
+    ap.add_argument("--concurrency", "--num-requests", type=int, nargs="+", default=None,
+                    help="streams at once (--process: streams, all at once)")
     ap.add_argument("--input-len", type=int, default=128)
-    args = ap.parse_args()
+    ap.add_argument("--output-len", type=int, default=None,
+                    help="default: 256 with --matrix, else 128")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="interleaved rounds, medians (default: 2 --process, 3 --prefix, else 1)")
+    ap.add_argument("--result-dir", default="results")
+    ap.add_argument("--hf-batch-max", type=int, default=64)
+    ap.add_argument("--baseline-ref", default=None,
+                    help="--ceiling: also run the engine at this git revision, interleaved")
+    ap.add_argument("--current-ref", default=None,
+                    help="--ceiling: compare only the engines of this revision and --baseline-ref")
+    ap.add_argument("--num-threads", type=int, nargs="*", default=[],
+                    help="--process: a thread row per torch thread count")
+    ap.add_argument("--prefix-len", type=int, default=1024, help="--prefix: shared prefix tokens")
+    ap.add_argument("--suffix-len", type=int, default=64, help="--prefix: unique suffix tokens")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="--prefix: per run; default 8 at concurrency 1, else 4 x concurrency")
+    ap.add_argument("--chat-concurrency", type=int, nargs="*", default=[1, 8],
+                    help="--prefix: conversations at once (none: skip the chat replay)")
+    ap.add_argument("--chat-output-len", type=int, default=64, help="--prefix: cap on each reply")
+    ap.add_argument("--chat-conversations", type=int, default=24,
+                    help="--prefix: the first this many multi-turn conversations (0: all)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = make_parser().parse_args(argv)
+    mode = next((m for m in MODES if getattr(args, m)), "core")
+    models, concurrency, output_len, repeats = DEFAULTS[mode]
+    args.models, args.concurrency = args.models or models, args.concurrency or concurrency
+    args.output_len, args.repeats = args.output_len or output_len, args.repeats or repeats
     os.makedirs(args.result_dir, exist_ok=True)
-    if args.ceiling:
-        models = args.models if args.models != ["tiny", "small"] else ["tiny"]
-        result = {"ceiling": [ceiling_run(m, c, args) for m in models
-                              for c in (args.concurrency or [200])]}
-        path = os.path.join(args.result_dir, "bench_engine_ceiling.json")
-    elif args.matrix:
-        conc = args.concurrency or [64, 256]
-        result = {"matrix": matrix_table(args.models, conc, args.output_len or 256, args.repeats),
-                  "output_cost": output_cost_table("tiny", [128, 2048])}
-        path = os.path.join(args.result_dir, "bench_engine_matrix.json")
+    if mode == "ceiling":
+        from loadtests.engine_ceiling import ceiling_run
+        result = {"ceiling": [ceiling_run(m, c, args) for m in args.models for c in args.concurrency]}
     else:
-        result = {"core": core_table(args.models, args.concurrency or [1, 16, 64], args.hf_batch_max)}
-        path = os.path.join(args.result_dir, "bench_engine.json")
+        result = {"core": core_mode, "matrix": matrix_mode, "process": process_mode,
+                  "prefix": prefix_mode}[mode](args)
+    path = os.path.join(args.result_dir, "bench_engine.json" if mode == "core"
+                        else f"bench_engine_{mode}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nwrote {path}")
+    return result
 
 
 if __name__ == "__main__":

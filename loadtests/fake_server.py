@@ -1,7 +1,9 @@
 """A fake OpenAI-compatible server that streams known chunks: tests and dry runs.
 
-Takes `cluster.serve_local`'s flags, so `loadtests.compare --launcher
-loadtests.fake_server` exercises the whole compare pipeline without Ray. Each
+Takes every flag of `cluster.serve_local`, parsed by the launcher's own parser with
+its defaults (the fake acts on --host, --port, --served-model-name/--model,
+--num-scheduler-steps and --release-per-window), so `loadtests.bench compare
+--launcher loadtests.fake_server` exercises the whole matrix without Ray. Each
 request answers `max_tokens` tokens (" t0 t1 ..."), one decode step every
 `--step-ms`; per-step release sends one token a chunk, per-window release sends
 N tokens a chunk every N steps. Usage counts prompt words and answered tokens.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import signal
 import threading
@@ -135,30 +138,28 @@ class FakeOpenAIServer:
 
 
 class FakeServerThread:
-    """Runs the fake server on 127.0.0.1 on a free port in a daemon thread."""
+    """Runs the fake server in a daemon thread (port 0: a free one)."""
 
-    def __init__(self, config: FakeServerConfig | None = None):
+    def __init__(self, config: FakeServerConfig | None = None, host: str = "127.0.0.1", port: int = 0):
         self.server = FakeOpenAIServer(config or FakeServerConfig())
-        self.port = 0
+        self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._runner: web.AppRunner | None = None
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._runner = web.AppRunner(self.server.app(), access_log=None)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.port = self._runner.addresses[0][1]
+        runner = web.AppRunner(self.server.app(), access_log=None)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, self.host, self.port).start())
+        self.port = runner.addresses[0][1]
         self._ready.set()
         self._loop.run_forever()
-        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.run_until_complete(runner.cleanup())
         self._loop.close()
 
     def __enter__(self) -> "FakeServerThread":
@@ -172,36 +173,36 @@ class FakeServerThread:
         self._thread.join(10)
 
 
-async def _serve(config: FakeServerConfig, host: str, port: int) -> None:
-    runner = web.AppRunner(FakeOpenAIServer(config).app(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    print(f"Serving at http://{host}:{port}/v1", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """(the fake's own flags, the launcher's flags as its own parser reads them)."""
+    from cluster.serve_local import parse_args as parse_launcher_args
+
+    p = argparse.ArgumentParser(prog="python -m loadtests.fake_server", description=__doc__.split("\n")[0],
+                                epilog="Every flag of python -m cluster.serve_local is accepted too.")
+    p.add_argument("--step-ms", type=float, default=1.0, help="one decode step, in ms")
+    p.add_argument("--fail-every", type=int, default=0, help="every Nth request fails (0: none)")
+    p.add_argument("--failure", choices=FAILURES, default="http500")
+    fake, launcher_argv = p.parse_known_args(argv)
+    return fake, parse_launcher_args(launcher_argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Fake OpenAI-compatible streaming server")
-    p.add_argument("--model", default="fake")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--num-scheduler-steps", type=int, default=1)
-    p.add_argument("--release-per-window", action="store_true")
-    # Accepted for serve_local compatibility; they change nothing here.
-    p.add_argument("--no-async-output", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--step-ms", type=float, default=1.0)
-    p.add_argument("--fail-every", type=int, default=0)
-    p.add_argument("--failure", choices=FAILURES, default="http500")
-    a = p.parse_args(argv)
-    config = FakeServerConfig(model=a.model, num_scheduler_steps=a.num_scheduler_steps,
-                              release_per_window=a.release_per_window, step_ms=a.step_ms,
-                              fail_every=a.fail_every, failure=a.failure)
-    asyncio.run(_serve(config, a.host, a.port))
+    from cluster.serve_local import app_args
+    from replicas.config import EngineConfig
+
+    fake, launcher = parse_args(argv)
+    args, host, port = app_args(launcher)
+    engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)} | args
+    config = FakeServerConfig(model=args.get("served_model_name") or engine["model"],
+                              num_scheduler_steps=engine["num_scheduler_steps"],
+                              release_per_window=not engine["release_per_step"], step_ms=fake.step_ms,
+                              fail_every=fake.fail_every, failure=fake.failure)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with FakeServerThread(config, host, port) as srv:
+        print(f"Serving at {srv.base_url}/v1", flush=True)
+        stop.wait()
 
 
 if __name__ == "__main__":

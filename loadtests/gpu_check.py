@@ -244,49 +244,10 @@ def sharegpt_like_workload(num_requests: int, vocab_size: int, length_scale: flo
     return workload
 
 
-async def _stream_all(engine, workload, budget_s: float, progress_s: float):
-    from deltas.types import OutputKind
-    from loadtests.metrics import RequestTimeline
-    from replicas import SamplingParams
-    send_time = time.perf_counter()
-    timelines = [RequestTimeline(send_time=send_time, prompt_len=len(p), chunk_num_tokens=[])
-                 for p, _ in workload]
-
-    async def one(i: int, prompt: list[int], output_len: int) -> None:
-        t = timelines[i]
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                                output_kind=OutputKind.DELTA)
-        async for delta in engine.generate(f"r{i}", prompt, params):
-            if delta.token_ids:
-                t.chunk_times.append(time.perf_counter())
-                t.num_output_tokens += len(delta.token_ids)
-                t.chunk_num_tokens.append(len(delta.token_ids))
-            if delta.finish_reason is not None and delta.error:
-                t.success, t.error = False, delta.error
-
-    tasks = [asyncio.create_task(one(i, p, n)) for i, (p, n) in enumerate(workload)]
-    end = send_time + budget_s
-    pending = set(tasks)
-    while pending and time.perf_counter() < end:
-        _, pending = await asyncio.wait(pending, timeout=min(progress_s, end - time.perf_counter()))
-        done = len(tasks) - len(pending)
-        tokens = sum(t.num_output_tokens for t in timelines)
-        _log(f"  {done}/{len(tasks)} done, {tokens} tokens, {time.perf_counter() - send_time:.0f} s")
-    duration = time.perf_counter() - send_time
-    for task in pending:  # past the budget: cut off (the stream's close aborts it)
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for task, t in zip(tasks, timelines):
-        if task.cancelled() or task.exception() is not None:
-            t.success = False
-            t.error = "cut off at the time budget" if task.cancelled() else repr(task.exception())
-    return timelines, duration, len(pending)
-
-
 def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tuple[dict, object]:
     """One engine, all requests at once; (JSON result, BenchmarkSummary)."""
+    from loadtests.engine_runner import greedy, stats_dict, stream_sessions
     from loadtests.metrics import summarize
-    from replicas import SamplingParams
     from replicas.async_engine import AsyncEngine
     start = time.monotonic()
     engine = AsyncEngine(config)
@@ -294,15 +255,16 @@ def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tupl
         startup_s = time.monotonic() - start
 
         async def warm() -> None:  # compiles the prefill and decode kernels once
-            warm_params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-            await asyncio.gather(*[_drain(engine.generate(f"warm{i}", p[:64], warm_params))
+            await asyncio.gather(*[_drain(engine.generate(f"warm{i}", p[:64], greedy(12)))
                                    for i, (p, _) in enumerate(workload[:4])])
         asyncio.run(warm())
         runner = engine.core.runner
         replays0 = runner.decode_graphs.num_replays if runner.decode_graphs is not None else 0
         run_budget = max(5.0, budget_s - (time.monotonic() - start))
-        timelines, duration, num_cut = asyncio.run(_stream_all(engine, workload, run_budget, progress_s))
-        stats = engine.stats()
+        sessions = [[(p, greedy(n))] for p, n in workload]
+        per_session, duration, num_cut = asyncio.run(stream_sessions(
+            engine.generate, sessions, budget_s=run_budget, log=_log, log_every_s=progress_s))
+        timelines = [t for ts in per_session for t in ts]
         graphs = runner.decode_graphs
         result = {
             "startup_s": startup_s, "attention_backend": runner.backend.name,
@@ -310,7 +272,7 @@ def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tupl
             "num_graph_replays": (graphs.num_replays - replays0) if graphs is not None else 0,
             "num_requests_cut_off": num_cut,
             "all_streams_tokens_per_s": sum(t.num_output_tokens for t in timelines) / duration,
-            "engine_stats": stats,
+            "engine_stats": stats_dict(engine.stats()),
         }
     finally:
         engine.shutdown()
@@ -389,15 +351,20 @@ def _compare(configs: dict, quick: bool) -> dict:
 BUDGETS_S = {"kernel_accuracy": 60, "graph_decode": 60, "decode_bandwidth": 45, "end_to_end": 300}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m loadtests.gpu_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or "results", help="result directory")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 32 requests")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--num-requests", type=int, default=None, help="end to end (1000; quick: 32)")
     ap.add_argument("--total-budget-s", type=float, default=380.0,
                     help="the whole run's deadline (7 minutes less start-up and shutdown)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = make_parser().parse_args(argv)
     report = Report(args.out, args.quick, time.monotonic() + args.total_budget_s)
     _log(f"device: {report.data['environment'].get('device', 'cpu (no CUDA)')}; "
          f"parts {args.parts}; writing {report.json_path}")

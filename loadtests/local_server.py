@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-_LIVE: set["LocalServer"] = set()
+LIVE: set["LocalServer"] = set()  # started and not yet stopped
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -27,7 +27,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _stop_all_at_exit() -> None:
-    for server in list(_LIVE):
+    for server in list(LIVE):
         server.stop()
 
 
@@ -66,7 +66,7 @@ class LocalServer:
         self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         env=self.env)
-        _LIVE.add(self)
+        LIVE.add(self)
         try:
             self._wait_healthy()
         except BaseException:
@@ -113,7 +113,7 @@ class LocalServer:
         if self._log_file:
             self._log_file.close()
             self._log_file = None
-        _LIVE.discard(self)
+        LIVE.discard(self)
 
     def __enter__(self) -> "LocalServer":
         return self.start()

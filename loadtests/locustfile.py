@@ -8,31 +8,34 @@ besides the request itself (timed to the end of the stream, not to the headers):
   TTFT  one per request: first content chunk - send
   ITL   one per gap between consecutive content chunks
   TPOT  one per request with >= 2 tokens: (latency - TTFT) / (output tokens - 1)
-as their own request types, so locust's stats and CSVs show their percentiles.
-Non-2xx answers and streams without [DONE] fail with the reason.
+(loadtests/metrics.py) as rows of their own type, so locust's stats and CSVs show
+their percentiles. They are logged straight into their rows, not fired as requests:
+the Aggregated row and its req/s count real requests only. Non-2xx answers and
+streams without [DONE] fail with the reason.
 
 `--shape staged` (or LOCUST_SHAPE=staged) ramps to --peak-users over --ramp-time,
 holds for --hold-time and stops by itself; -u/-r/--run-time are then ignored.
+`--soak-out FILE` (loadtests/soak.py) writes per-minute request and failure counts
+and exact TTFT and ITL percentiles (not locust's rounded ones) to FILE at the end.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from locust import FastHttpUser, LoadTestShape, events, task
 
-try:
-    from loadtests import datasets
-    from loadtests.openai_stream import (CHAT_COMPLETIONS, COMPLETIONS, StreamParser,
-                                         build_payload, join_url)
-except ImportError:  # run from a checkout without `pip install -e .`
+if __package__ != "loadtests":  # run by path from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from loadtests import datasets
-    from loadtests.openai_stream import (CHAT_COMPLETIONS, COMPLETIONS, StreamParser,
-                                         build_payload, join_url)
+from loadtests import datasets  # noqa: E402
+from loadtests.metrics import Distribution, RequestTimeline, itls_s, tpot_s, ttft_s  # noqa: E402
+from loadtests.openai_stream import (CHAT_COMPLETIONS, COMPLETIONS, StreamParser,  # noqa: E402
+                                     build_payload, join_url)
 
 
 def _shape_requested() -> str:
@@ -62,6 +65,7 @@ def _add_arguments(parser) -> None:
     group.add_argument("--peak-users", type=int, default=32)
     group.add_argument("--ramp-time", type=float, default=30.0, help="seconds to reach --peak-users")
     group.add_argument("--hold-time", type=float, default=60.0, help="seconds at --peak-users")
+    group.add_argument("--soak-out", default="", help="JSON file for per-minute figures")
 
 
 _PROMPTS: list[datasets.SampleRequest] = []
@@ -79,9 +83,60 @@ def _load_prompts(environment, **_kwargs) -> None:
         _PROMPTS[:] = datasets.sample_random_requests(256, opts.input_len, opts.output_len)
 
 
-def _fire(environment, request_type: str, name: str, ms: float, length: int = 0) -> None:
-    environment.events.request.fire(request_type=request_type, name=name, response_time=ms,
-                                    response_length=length, exception=None, context={})
+# -- per-minute figures for --soak-out --------------------------------------------------------
+_started_at = [0.0]
+_minutes: dict = defaultdict(lambda: {"requests": 0, "failures": 0, "TTFT": [], "ITL": []})
+
+
+def _minute() -> int:
+    return int((time.monotonic() - _started_at[0]) // 60)
+
+
+@events.test_start.add_listener
+def _start_clock(environment, **_kwargs) -> None:
+    _started_at[0] = time.monotonic()
+
+
+@events.request.add_listener
+def _count(request_type, name, response_time, exception=None, **_kwargs) -> None:
+    if _started_at[0]:  # only real requests fire events (see _log_pseudo)
+        m = _minutes[_minute()]
+        m["requests"] += 1
+        m["failures"] += exception is not None
+
+
+def _dist(values_ms: list[float]) -> dict:
+    return Distribution.from_seconds([v / 1000 for v in values_ms], (50.0, 99.0)).to_dict() \
+        if values_ms else {"count": 0}
+
+
+def soak_summary() -> dict:
+    minutes = sorted(_minutes)
+    every = {kind: [v for m in minutes for v in _minutes[m][kind]] for kind in ("TTFT", "ITL")}
+    return {"per_minute": [{"minute": m, "requests": _minutes[m]["requests"],
+                            "failures": _minutes[m]["failures"], "ttft": _dist(_minutes[m]["TTFT"]),
+                            "itl": _dist(_minutes[m]["ITL"])} for m in minutes],
+            "requests": sum(_minutes[m]["requests"] for m in minutes),
+            "failures": sum(_minutes[m]["failures"] for m in minutes),
+            "ttft": _dist(every["TTFT"]), "itl": _dist(every["ITL"])}
+
+
+@events.quitting.add_listener
+def _write_soak(environment, **_kwargs) -> None:
+    path = environment.parsed_options.soak_out if environment.parsed_options else ""
+    if path:
+        with open(path, "w") as f:
+            json.dump(soak_summary(), f, indent=1)
+
+
+def _log_pseudo(environment, kind: str, name: str, values_s: list[float], length: int = 0) -> None:
+    """Into the (kind, name) row only: firing a request event would also count each value in
+    the Aggregated row (locust has no request type that totals leave out)."""
+    entry = environment.stats.get(name, kind)
+    for value in values_s:
+        entry.log(value * 1000.0, length)
+    if _started_at[0] and kind in ("TTFT", "ITL"):
+        _minutes[_minute()][kind].extend(v * 1000.0 for v in values_s)
 
 
 class OpenAIStreamUser(FastHttpUser):
@@ -153,14 +208,13 @@ class OpenAIStreamUser(FastHttpUser):
         return f"HTTP {resp.status_code}: {body}"
 
     def _report_stream(self, name: str, send: float, parser: StreamParser) -> None:
-        env, times = self.environment, parser.chunk_times
-        num_tokens = parser.completion_tokens or len(times)
-        _fire(env, "TTFT", name, (times[0] - send) * 1000.0, num_tokens)
-        for a, b in zip(times, times[1:]):
-            _fire(env, "ITL", name, (b - a) * 1000.0)
-        if num_tokens >= 2:
-            tpot_ms = (times[-1] - times[0]) * 1000.0 / (num_tokens - 1)
-            _fire(env, "TPOT", name, tpot_ms, num_tokens)
+        env = self.environment
+        t = RequestTimeline(send, parser.chunk_times, parser.completion_tokens or len(parser.chunk_times))
+        _log_pseudo(env, "TTFT", name, [ttft_s(t)], t.num_output_tokens)
+        _log_pseudo(env, "ITL", name, itls_s(t))
+        tpot = tpot_s(t)
+        if tpot is not None:
+            _log_pseudo(env, "TPOT", name, [tpot], t.num_output_tokens)
 
 
 class StagedShape(LoadTestShape):

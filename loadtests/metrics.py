@@ -3,10 +3,14 @@
 TTFT = first content chunk - send; latency = last content chunk - send;
 TPOT = (latency - TTFT) / (output tokens - 1), only for requests with >= 2 tokens;
 ITL = every gap between consecutive content chunks (per chunk, not per token).
-Percentiles are numpy's (linear interpolation), as vLLM's. Pure functions: no I/O.
+Percentiles are numpy's (linear interpolation), as vLLM's. Every tool of this
+package summarises with `summarize` and prints with `format_result_block` or
+`format_table`; rounds of a run are merged by `median_rows`. Pure functions: no I/O.
 """
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,6 +63,7 @@ class Distribution:
     std_ms: float
     percentiles_ms: dict[float, float]
     count: int
+    max_ms: float = 0.0
 
     @classmethod
     def from_seconds(cls, values_s: list[float], percentiles: tuple[float, ...]) -> "Distribution":
@@ -67,7 +72,13 @@ class Distribution:
         return cls(mean_ms=float(np.mean(arr)), median_ms=float(np.median(arr)),
                    std_ms=float(np.std(arr)),
                    percentiles_ms={p: float(np.percentile(arr, p)) for p in percentiles},
-                   count=len(values_s))
+                   count=len(values_s), max_ms=float(np.max(arr)))
+
+    def to_dict(self) -> dict:
+        """{"count", "mean_ms", "median_ms", "p99_ms", ..., "max_ms"}."""
+        return {"count": self.count, "mean_ms": self.mean_ms, "median_ms": self.median_ms,
+                **{f"p{_percentile_word(p)}_ms": v for p, v in self.percentiles_ms.items()},
+                "max_ms": self.max_ms}
 
 
 @dataclass(slots=True)
@@ -204,3 +215,54 @@ def format_cpu_block(cpu_us: dict[str, float]) -> str:
     lines += [_row(f"{role}:", float(us)) for role, us in cpu_us.items()]
     lines.append(_section("", "="))
     return "\n".join(lines)
+
+
+# ---- tables of runs side by side ---------------------------------------------------
+
+def _cell(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
+    return str(value)
+
+
+def ratio(value, base) -> float | None:
+    """value / base, None when either is missing or base is 0."""
+    if value is None or not base or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return value / base
+
+
+def format_table(rows: dict[str, dict], columns, *, name_header: str = "row",
+                 baseline: str | None = None, ratio_columns=()) -> str:
+    """A markdown table, one line per row name. `columns`: (key, header, format spec);
+    `ratio_columns`: (key, header), each row's value / the `baseline` row's. Missing,
+    None and NaN show as "-"."""
+    base = rows.get(baseline) or {}
+    header = [name_header] + [h for _, h, _ in columns] + [f"{h} vs {baseline}" for _, h in ratio_columns]
+    lines = [header]
+    for name, row in rows.items():
+        cells = [_cell(row.get(key), spec) for key, _, spec in columns]
+        cells += [_cell(ratio(row.get(key), base.get(key)), ".3f") for key, _ in ratio_columns]
+        lines.append([name] + cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                     + [fmt(line) for line in lines[1:]])
+
+
+def median_rows(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Rows of several interleaved rounds -> one row each: the median of every number
+    (the first round's value for anything else), plus every round's throughput."""
+    rows = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds if name in r]
+        row = dict(runs[0])
+        for key, value in runs[0].items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                row[key] = statistics.median(run[key] for run in runs if key in run)
+        if "output_throughput" in row:
+            row["rounds_output_throughput"] = [run.get("output_throughput") for run in runs]
+        rows[name] = row
+    return rows

@@ -2,11 +2,13 @@
 
 Both the async benchmark (aiohttp) and the locust file (gevent) feed raw lines into
 `StreamParser`, which times content chunks and collects usage, so the two tools
-agree on what a chunk, a token count and a failure are.
+agree on what a chunk, a token count and a failure are. The tests read our server's
+streams with it too (`keep_events`, `StreamParser.of`).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 COMPLETIONS = "/v1/completions"
@@ -44,13 +46,18 @@ def build_payload(endpoint: str, model: str, prompt: str, max_tokens: int, *,
     return payload
 
 
-def _choice_text(choice: dict) -> str:
+def choice_text(choice: dict) -> str:
     if "delta" in choice:  # chat: a role-only first chunk carries no content
         delta = choice.get("delta") or {}
         return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
     if "message" in choice:  # chat, non-streamed
         return (choice.get("message") or {}).get("content") or ""
     return choice.get("text") or ""
+
+
+def event_text(data: dict) -> str:
+    """The content an event (or a non-streamed answer) carries, all choices joined."""
+    return "".join(choice_text(c) for c in (data.get("choices") or ()))
 
 
 def _error_text(data: dict) -> str:
@@ -70,8 +77,20 @@ class StreamParser:
     prompt_tokens: int | None = None
     is_done: bool = False  # saw data: [DONE]
     error: str = ""
-    num_events: int = 0
+    num_events: int = 0  # data events, [DONE] included
+    keep_events: bool = False
+    events: list = field(default_factory=list)  # with keep_events: each decoded, "[DONE]" as is
     _is_error_event: bool = False
+
+    @classmethod
+    def of(cls, stream: str | bytes | Iterable, now: float = 0.0) -> "StreamParser":
+        """A parser that has read a whole stream (its text, or its lines), keeping events."""
+        if isinstance(stream, bytes):
+            stream = stream.decode("utf-8", "replace")
+        parser = cls(keep_events=True)
+        for line in stream.splitlines() if isinstance(stream, str) else stream:
+            parser.feed(line, now)
+        return parser
 
     def feed(self, raw_line: bytes | str, now: float) -> None:
         line = raw_line.decode("utf-8", "replace") if isinstance(raw_line, bytes) else raw_line
@@ -87,12 +106,16 @@ class StreamParser:
         self.num_events += 1
         if data_text == "[DONE]":
             self.is_done = True
+            if self.keep_events:
+                self.events.append(data_text)
             return
         try:
             data = json.loads(data_text)
         except json.JSONDecodeError:
             self.error = self.error or f"bad JSON in stream: {data_text[:120]}"
             return
+        if self.keep_events:
+            self.events.append(data)
         if self._is_error_event or "error" in data:
             self.error = self.error or f"error event: {_error_text(data)}"
             self._is_error_event = False
@@ -105,7 +128,7 @@ class StreamParser:
         if usage:
             self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
             self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
-        text = "".join(_choice_text(c) for c in (data.get("choices") or ()))
+        text = event_text(data)
         if not text:
             return
         self.chunk_times.append(now)
@@ -134,6 +157,6 @@ class StreamParser:
 
 def parse_full_response(body: dict) -> tuple[str, int | None, int | None]:
     """Non-streamed answer: (text, completion_tokens, prompt_tokens)."""
-    text = "".join(_choice_text(c) for c in (body.get("choices") or ()))
+    text = event_text(body)
     usage = body.get("usage") or {}
     return text, usage.get("completion_tokens"), usage.get("prompt_tokens")

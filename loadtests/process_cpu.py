@@ -1,21 +1,11 @@
-"""CPU seconds by server process over a benchmark run, read from /proc.
+"""CPU seconds by server process over a benchmark run, read from /proc (Linux only;
+elsewhere `available` is False and the table is empty).
 
 `ProcessCpu(root_pid)` snapshots the CPU time (user + system, threads included) of
-`root_pid` and every process below it (a local app: the launcher, Ray's raylet and
-GCS, and the Serve actors the raylet started), and of the benchmark's own process.
-`.take()` again after the run gives the seconds each role spent in between; divided
-by the output tokens, it is the table people tuning a deployment need: where the
-CPU goes per token. Roles come from the process titles Ray gives its workers:
-
-| role | processes |
-|---|---|
-| front door | HAProxy and its manager actor, or Serve's HTTP proxy (`ray::ProxyActor`) |
-| ingress | `ray::ServeReplica:<app>:Ingress` |
-| engine | `ray::ServeReplica:<app>:EngineReplica` |
-| ray | the rest: raylet, GCS, Serve's controller, agents, the launcher |
-| client | this process (the benchmark itself) |
-
-Linux only (/proc); elsewhere `available` is False and the table is empty.
+`root_pid`, every process below it and this one; `.take()` after the run gives the
+seconds each role spent in between (roles from the titles Ray gives its workers:
+front door, ingress, engine, ray for the rest, client for this process; the table is
+in loadtests/README.md). Divided by the output tokens: where the CPU goes per token.
 """
 from __future__ import annotations
 

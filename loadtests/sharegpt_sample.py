@@ -5,7 +5,7 @@ reply lengths; vLLM's ShareGPT runs average ~215 prompt and ~200 output tokens),
 with a few single-turn, too-short and too-long conversations so the loader's
 filters have something to drop. Seeded: the same seed writes the same bytes.
 
-    python -m loadtests.make_sharegpt_sample [--seed 0] [--num-conversations 200]
+    python -m loadtests.bench sharegpt-sample [--seed 0] [--num-conversations 200]
 """
 from __future__ import annotations
 
@@ -90,17 +90,19 @@ def render(conversations: list[dict]) -> str:
     return json.dumps(conversations, ensure_ascii=False, indent=1) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench sharegpt-sample",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-conversations", type=int, default=200)
     parser.add_argument("--output", type=Path, default=OUTPUT_PATH)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
     text = render(build_conversations(args.seed, args.num_conversations))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text, encoding="utf-8")
     print(f"wrote {args.num_conversations} conversations, {len(text.encode())} bytes, to {args.output}")
 
-
-if __name__ == "__main__":
-    main()

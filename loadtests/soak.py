@@ -5,10 +5,11 @@
     python -m loadtests.soak --host http://127.0.0.1:8000 --session-dir /tmp/ray/session_...
 
 Starts `python -m cluster.serve_local` (loadtests/local_server.py) unless --host is
-given, runs locust headless (loadtests/locustfile.py plus the per-minute recorder
-loadtests/soak_recorder.py) with a fixed number of users for --minutes, and stops
-by itself. Meanwhile it samples, every --sample-s, the resident memory (RSS) of the
-app's Ray processes (engine replicas, ingresses, proxy) and the engines' KV cache
+given, runs locust headless (loadtests/locustfile.py with its per-minute recorder,
+`--soak-out`) with a fixed number of users for --minutes, and stops by itself.
+Meanwhile it samples, every --sample-s, the resident memory (RSS) of the app's
+processes by role (engine replicas, ingresses, front door: loadtests/process_cpu.py)
+and the engines' KV cache
 usage (the `stepstream_kv_cache_usage` gauge on the Ray node's metrics port). It
 prints the error rate, p99 TTFT and ITL, and RSS and KV usage in the first and the
 last minute; --json writes it all. Loopback only: a --host elsewhere is refused.
@@ -30,16 +31,16 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
-import psutil
-
+from cluster.process_table import cmdline, descendants, read_process_table
 from loadtests.local_server import LocalServer
+from loadtests.process_cpu import role_of
 
-ROLES = {"engine": "ServeReplica:stepstream:EngineReplica",
-         "ingress": "ServeReplica:stepstream:Ingress", "proxy": "ProxyActor"}
+ROLES = ("engine", "ingress", "front door")
 # NOTE: Ray's Prometheus exporter prefixes our metric names with "ray_".
-_KV_LINE = re.compile(r"^(?:ray_)?stepstream_kv_cache_usage(?:\{[^}]*\})?\s+([0-9.eE+-]+)",
-                      re.M)
+KV_LINE = re.compile(r"^(?:ray_)?stepstream_kv_cache_usage(?:\{[^}]*\})?\s+([0-9.eE+-]+)",
+                     re.M)
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+_PAGE_MIB = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4 / 1024
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,40 +64,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- sampling the server's processes and metrics ----------------------------
 
-def _cmdline(proc: psutil.Process) -> str:
+def app_processes(root_pid: int | None) -> list[tuple[int, str, str]]:
+    """(pid, command line, name) of the server's processes: below `root_pid`, or all here."""
+    table = read_process_table()
+    pids = descendants(table, root_pid) if root_pid is not None else list(table)
+    return [(pid, cmdline(pid), table[pid].comm) for pid in pids]
+
+
+def _rss_mib(pid: int) -> float:
     try:
-        return " ".join(proc.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return ""
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_MIB
+    except (OSError, IndexError, ValueError):
+        return 0.0  # gone meanwhile
 
 
-def app_processes(root_pid: int | None) -> list[psutil.Process]:
-    """The server's processes: descendants of `root_pid`, or every process here."""
-    if root_pid is None:
-        return list(psutil.process_iter())
-    try:
-        return psutil.Process(root_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def rss_by_role(procs: list[psutil.Process]) -> dict[str, float]:
+def rss_by_role(procs: list[tuple[int, str, str]]) -> dict[str, float]:
     """MiB of resident memory per role (summed over its processes)."""
-    mib = {role: 0.0 for role in ROLES}
-    for proc in procs:
-        cmd = _cmdline(proc)
-        for role, marker in ROLES.items():
-            if marker in cmd:
-                try:
-                    mib[role] += proc.memory_info().rss / 2**20
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    pass
+    mib = dict.fromkeys(ROLES, 0.0)
+    for pid, cmd, comm in procs:
+        role = role_of(cmd, comm)
+        if role in mib:
+            mib[role] += _rss_mib(pid)
     return mib
 
 
-def session_dir_of(procs: list[psutil.Process]) -> str | None:
-    for proc in procs:
-        match = re.search(r"--session_dir=(\S+)", _cmdline(proc))
+def session_dir_of(procs: list[tuple[int, str, str]]) -> str | None:
+    for _, cmd, _ in procs:
+        match = re.search(r"--session_dir=(\S+)", cmd)
         if match:
             return match.group(1)
     return None
@@ -120,7 +115,7 @@ def kv_usages(url: str | None) -> list[float]:
             text = r.read().decode()
     except (urllib.error.URLError, OSError):
         return []
-    return [float(v) for v in _KV_LINE.findall(text)]
+    return [float(v) for v in KV_LINE.findall(text)]
 
 
 class Sampler(threading.Thread):
@@ -161,10 +156,8 @@ class Sampler(threading.Thread):
 # ---- the run ------------------------------------------------------------------
 
 def locust_command(args: argparse.Namespace, host: str, csv_prefix: Path, out: Path) -> list[str]:
-    here = Path(__file__).resolve().parent
     seconds = max(1, int(round(args.minutes * 60)))
-    cmd = [sys.executable, "-m", "locust", "-f",
-           f"{here / 'locustfile.py'},{here / 'soak_recorder.py'}", "--headless",
+    cmd = [sys.executable, "-m", "locust", "-f", str(Path(__file__).with_name("locustfile.py")), "--headless",
            "-u", str(args.users), "-r", str(args.users), "--run-time", f"{seconds}s",
            "--stop-timeout", "60", "--host", host, "--model", args.model,
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
@@ -178,7 +171,7 @@ def locust_command(args: argparse.Namespace, host: str, csv_prefix: Path, out: P
 def run_soak(args: argparse.Namespace, host: str, root_pid: int | None,
              result_dir: Path) -> dict:
     sampler = Sampler(root_pid, args.session_dir, args.sample_s)
-    out = result_dir / "soak_recorder.json"
+    out = result_dir / "per_minute.json"
     cmd = locust_command(args, host, result_dir / "soak", out)
     sampler.start()
     try:
@@ -233,7 +226,7 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _check_loopback(host: str) -> None:
+def check_loopback(host: str) -> None:
     if urlparse(host).hostname not in _LOOPBACK:
         raise SystemExit(f"--host must be on loopback (127.0.0.1, localhost, ::1), not {host}")
 
@@ -243,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     result_dir = Path(args.result_dir or tempfile.mkdtemp(prefix="soak-"))
     result_dir.mkdir(parents=True, exist_ok=True)
     if args.host:
-        _check_loopback(args.host)
+        check_loopback(args.host)
         result = run_soak(args, args.host.rstrip("/"), None, result_dir)
     else:
         server_args = list(args.server_arg)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from loadtests.bench import BenchConfig, main, run_benchmark
+from loadtests.bench import BenchConfig, main, make_parser, run_benchmark
 from loadtests.fake_server import FakeServerConfig, FakeServerThread
 from loadtests.openai_stream import StreamParser, join_url
 
@@ -137,6 +137,29 @@ def test_stream_parser_times_content_chunks_and_reads_usage():
     err.feed(b'data: {"message": "overloaded"}', 0.0)
     err.feed(b"data: [DONE]", 0.0)
     assert err.failure_reason(200).startswith("error event")
+
+
+
+def test_stream_parser_of_a_whole_stream_keeps_every_event():
+    text = ('data: {"id":"c","choices":[{"text":"Hi"}]}\n\n: ping\n\n'
+            'data: {"choices":[{"text":" there","finish_reason":"length"}]}\n\ndata: [DONE]\n\n')
+    p = StreamParser.of(text)
+    assert [e if isinstance(e, str) else e["choices"][0]["text"] for e in p.events] == ["Hi", " there", "[DONE]"]
+    assert p.text == "Hi there" and p.is_done and p.num_events == 3 and not p.error
+    assert StreamParser.of(text.encode().splitlines()).events == p.events
+    bad = StreamParser.of('data: {"error": {"message": "boom"}}\n\ndata: {nope\n')
+    assert bad.events == [{"error": {"message": "boom"}}] and bad.error.startswith("error event")
+    assert StreamParser().events == [] and StreamParser().keep_events is False
+
+
+def test_every_config_field_is_a_flag_with_its_default():
+    args = make_parser().parse_args(["--input-len", "7", "--output-len", "3", "--plot"])
+    cfg = BenchConfig.from_any(args)
+    assert (cfg.random_input_len, cfg.random_output_len, cfg.plot) == (7, 3, True)
+    defaults = BenchConfig.from_any(make_parser().parse_args([]))
+    assert defaults == BenchConfig()  # each default declared once, on the field
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--dataset-name", "nope"])
 
 
 def test_join_url_does_not_double_v1():

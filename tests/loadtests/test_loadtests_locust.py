@@ -3,6 +3,7 @@
 Locust is never imported here: it monkey-patches the whole process with gevent.
 """
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -43,7 +44,10 @@ def test_headless_run_records_ttft_itl_tpot_without_failures(tmp_path):
         assert int(tpot["Request Count"]) == int(post["Request Count"])
         # the request's time covers the whole stream (12 steps of 2 ms), not just the headers
         assert float(post["Average Response Time"]) >= 20.0
-    assert served >= sum(int(stats[("POST", e)]["Request Count"]) for e in ("/v1/completions", "/v1/chat/completions"))
+    num_posts = sum(int(stats[("POST", e)]["Request Count"]) for e in ("/v1/completions", "/v1/chat/completions"))
+    assert served >= num_posts
+    # TTFT, ITL and TPOT rows are no requests: the Aggregated row counts real ones only
+    assert int(stats[("", "Aggregated")]["Request Count"]) == num_posts
 
 
 def test_staged_shape_stops_by_itself_and_failures_carry_their_reason(tmp_path):
@@ -60,3 +64,20 @@ def test_staged_shape_stops_by_itself_and_failures_carry_their_reason(tmp_path):
     with open(tmp_path / "shape_failures.csv", newline="") as f:
         errors = {row["Error"] for row in csv.DictReader(f)}
     assert errors and all("stream ended without [DONE]" in e for e in errors), errors
+
+
+def test_soak_out_writes_per_minute_counts_and_exact_percentiles(tmp_path):
+    out = tmp_path / "minutes.json"
+    with FakeServerThread(FakeServerConfig(step_ms=1.0, fail_every=5)) as srv:
+        proc = _locust(["-u", "2", "-r", "2", "--run-time", "3s", "--host", srv.base_url,
+                        "--output-len", "5", "--soak-out", str(out)], tmp_path)
+        served = srv.server.num_requests
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: some requests failed, as asked
+    summary = json.loads(out.read_text())
+    # every 5th request the server got failed (HTTP 500); those in flight at the end are lost
+    assert 0 < summary["requests"] <= served
+    assert abs(summary["failures"] - summary["requests"] / 5) <= 2
+    assert [m["minute"] for m in summary["per_minute"]] == [0]
+    assert summary["ttft"]["count"] == summary["requests"] - summary["failures"]
+    assert summary["itl"]["count"] == 4 * summary["ttft"]["count"]  # 5 chunks: 4 gaps
+    assert 0 < summary["ttft"]["median_ms"] <= summary["ttft"]["p99_ms"] <= summary["ttft"]["max_ms"]

@@ -10,14 +10,14 @@ def test_kv_gauge_lines_with_and_without_the_ray_prefix():
             'ray_stepstream_kv_cache_usage{Component="core_worker",model="tiny"} 0.25\n'
             "stepstream_kv_cache_usage 0.5\n"
             "ray_stepstream_kv_cache_usage_total 9\n")
-    assert [float(v) for v in soak._KV_LINE.findall(text)] == [0.25, 0.5]
+    assert [float(v) for v in soak.KV_LINE.findall(text)] == [0.25, 0.5]
 
 
 @pytest.mark.parametrize("host", ["http://10.0.0.5:8000", "http://example.com"])
 def test_only_loopback_hosts(host):
     with pytest.raises(SystemExit):
-        soak._check_loopback(host)
-    soak._check_loopback("http://127.0.0.1:8000")
+        soak.check_loopback(host)
+    soak.check_loopback("http://127.0.0.1:8000")
 
 
 def test_minutes_and_report():

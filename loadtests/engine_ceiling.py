@@ -8,18 +8,18 @@ tokens each, greedy, ignore_eos):
   token at the full batch and the same context lengths), inputs built beforehand,
   no scheduler, no sampler, no output;
 - **engine**: the full AsyncEngine (N=8, async output, per-step release) with one
-  consumer task per request, as `bench_engine` runs it;
-- **baseline** (optional): the same engine run from another git revision, in a
-  subprocess, interleaved with ours round by round;
+  consumer task per request (loadtests/engine_runner.py);
+- **baseline** (optional): the engine of another git revision, run by this
+  revision's harness in a subprocess, interleaved with ours round by round;
 - **breakdown**: one offline engine run under torch.profiler, its step split into
   phases; the trace is saved for chrome://tracing or Perfetto.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from loadtests.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
+from loadtests.metrics import median_rows
 from replicas import EngineConfig, SamplingParams
 from replicas.request import Request
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
@@ -44,11 +46,6 @@ class _NullSink:
         pass
 
 
-def _prompts(num_seqs: int, input_len: int) -> list[list[int]]:
-    from loadtests.bench_engine import _prompts as bench_prompts
-    return bench_prompts(num_seqs, input_len, seed=1)
-
-
 # -- the ceiling ----------------------------------------------------------------
 def raw_forward(config: EngineConfig, num_seqs: int, input_len: int, output_len: int) -> dict:
     """Times the model's forward alone over the workload; see the module docstring."""
@@ -57,7 +54,6 @@ def raw_forward(config: EngineConfig, num_seqs: int, input_len: int, output_len:
     from replicas.model_runner import ModelRunner
     from replicas.models.model_config import ModelConfig
     from replicas.presets import ensure_model_dir
-    import dataclasses
 
     model_dir = ensure_model_dir(config.model)
     config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device, model_dir)[0])
@@ -66,7 +62,7 @@ def raw_forward(config: EngineConfig, num_seqs: int, input_len: int, output_len:
     bm = BlockManager(runner.num_blocks, config.block_size, enable_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     reqs = [Request(f"r{i}", p, params, _NullSink(), frozenset(), output_len)
-            for i, p in enumerate(_prompts(num_seqs, input_len))]
+            for i, p in enumerate(random_prompts(num_seqs, input_len))]
 
     def grow(req: Request, num_tokens: int) -> None:
         bm.allocate(req.block_ids, num_tokens)
@@ -110,29 +106,36 @@ def raw_forward(config: EngineConfig, num_seqs: int, input_len: int, output_len:
             times.append(time.perf_counter() - t0)
     prefill_s, decode_s = sum(times[:num_prefill]), sum(times[num_prefill:])
     total_tokens = num_seqs * output_len
-    return {"output_tokens_per_s": total_tokens / (prefill_s + decode_s),
+    return {"output_throughput": total_tokens / (prefill_s + decode_s),
             "prefill_s": prefill_s, "decode_s": decode_s,
             "decode_only_tokens_per_s": num_seqs * (output_len - 1) / decode_s,
             "backend": runner.backend.name, "dtype": config.dtype}
 
 
 # -- the engine, here and at a baseline revision ------------------------------------
-_ENGINE_SNIPPET = ("import json, sys; from loadtests.bench_engine import run_engine, _cfg; "
-                   "m, n, i, o = sys.argv[1], *map(int, sys.argv[2:5]); "
-                   "print('RESULT ' + json.dumps(run_engine(_cfg(m), n, n, i, o)))")
+# NOTE: the tree's `replicas` and `deltas` are imported first, then this revision's
+# harness (loadtests) is put in front: one harness measures both engines.
+_IN_TREE = ("import json, sys; sys.path[:0] = [sys.argv[1]]; import replicas, deltas; "
+            "sys.path[:0] = [sys.argv[2]]; from loadtests import engine_ceiling as c; "
+            "print('RESULT ' + json.dumps(getattr(c, sys.argv[3])(*json.loads(sys.argv[4]))))")
 
 
-def engine_in_subprocess(tree: Path, model: str, num_seqs: int, input_len: int, output_len: int) -> dict:
-    """run_engine from the source tree `tree`, in a fresh interpreter (same conditions
-    for the current tree and a baseline)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, "-c", _ENGINE_SNIPPET, model, str(num_seqs),
-                           str(input_len), str(output_len)], cwd=tree, env=env,
-                          capture_output=True, text=True, timeout=1800)
+def in_tree(tree: Path, function: str, *args) -> dict:
+    """`function(*args)` of this module over the engine of the source tree `tree`, in a
+    fresh interpreter (the same conditions for the working tree and a baseline)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", _IN_TREE, str(tree), str(REPO_ROOT), function,
+                           json.dumps(args)], cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=1800)
     if proc.returncode != 0:
-        raise RuntimeError(f"engine run in {tree} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{function} in {tree} failed:\n{proc.stderr[-3000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
+
+
+def engine_row(model: str, num_seqs: int, input_len: int, output_len: int) -> dict:
+    return run_engine(engine_config(model), sessions_of(random_prompts(num_seqs, input_len),
+                                                         greedy(output_len)))
 
 
 @contextlib.contextmanager
@@ -148,23 +151,17 @@ def source_tree_at(ref: str):
         yield Path(tmp) / "tree"
 
 
-def compare_with_baseline(model: str, num_seqs: int, input_len: int, output_len: int,
-                          baseline_ref: str | None, repeats: int, current_ref: str | None = None) -> dict:
-    """Engine runs of the working tree (or `current_ref`) and of `baseline_ref`."""
-    runs: dict[str, list[dict]] = {"current": [], "baseline": []}
+def compare_with_baseline(workload: tuple, baseline_ref: str | None, repeats: int,
+                          current_ref: str | None = None) -> dict:
+    """Engine rows of the working tree (or `current_ref`) and of `baseline_ref`,
+    interleaved round by round (a noisy machine), medians."""
     with contextlib.ExitStack() as stack:
         trees = {"current": stack.enter_context(source_tree_at(current_ref)) if current_ref else REPO_ROOT}
         if baseline_ref:
             trees["baseline"] = stack.enter_context(source_tree_at(baseline_ref))
-        for _ in range(repeats):  # NOTE: interleaved rounds, medians: a noisy machine
-            for name, tree in trees.items():
-                runs[name].append(engine_in_subprocess(tree, model, num_seqs, input_len, output_len))
-    out = {}
-    for name, rs in runs.items():
-        if rs:
-            out[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-            out[name]["runs_tokens_per_s"] = [r["output_tokens_per_s"] for r in rs]
-    return out
+        rounds = [{name: in_tree(tree, "engine_row", *workload) for name, tree in trees.items()}
+                  for _ in range(repeats)]
+    return median_rows(rounds)
 
 
 # -- the breakdown --------------------------------------------------------------------
@@ -182,14 +179,14 @@ def _labelled(fn, label: str):
     return wrapper
 
 
-def profile_breakdown(config: EngineConfig, num_seqs: int, input_len: int, output_len: int,
+def profile_breakdown(model: str, num_seqs: int, input_len: int, output_len: int,
                       trace_path: str) -> dict:
     """One offline engine run (the loop in this thread) under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
     from replicas import Engine
     from replicas import model_runner as mr
 
-    engine = Engine(config)
+    engine = Engine(engine_config(model))
     core, runner = engine.core, engine.core.runner
     engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))  # warm-up
     # NOTE: labels by wrapping, so the product code carries no profiling hooks
@@ -208,7 +205,7 @@ def profile_breakdown(config: EngineConfig, num_seqs: int, input_len: int, outpu
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
-            engine.generate(_prompts(num_seqs, input_len), params)
+            engine.generate(random_prompts(num_seqs, input_len), params)
             wall = time.perf_counter() - t0
     finally:
         mr.sample_no_sync, mr.build_sampling_batch = saved
@@ -230,46 +227,24 @@ def profile_breakdown(config: EngineConfig, num_seqs: int, input_len: int, outpu
             "backend": runner.backend.name}
 
 
-_BREAKDOWN_SNIPPET = (
-    "import importlib.util, json, sys; from replicas import EngineConfig; "
-    "spec = importlib.util.spec_from_file_location('bench_ceiling', sys.argv[1]); "
-    "bc = importlib.util.module_from_spec(spec); spec.loader.exec_module(bc); "
-    "m, n, i, o = sys.argv[2], *map(int, sys.argv[3:6]); "
-    "r = bc.profile_breakdown(EngineConfig(model=m, max_num_seqs=256), n, i, o, sys.argv[6]); "
-    "print('RESULT ' + json.dumps(r))")
-
-
-def breakdown_in_subprocess(tree: Path, model: str, num_seqs: int, input_len: int, output_len: int,
-                            trace_path: str) -> dict:
-    """profile_breakdown (this file) over the engine of the source tree `tree`."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, "-c", _BREAKDOWN_SNIPPET, __file__, model, str(num_seqs),
-                           str(input_len), str(output_len), os.path.abspath(trace_path)],
-                          cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"profiled run in {tree} failed:\n{proc.stderr[-3000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
-
-
 def print_report(result: dict) -> None:
     c, e = result["ceiling"], result["engine"]
     w = result["workload"]
     print(f"\n{w['model']}, {w['num_seqs']} streams, {w['input_len']} in / {w['output_len']} out "
           f"({c['backend']} attention, {c['dtype']})")
-    print(f"  ceiling (raw forward):  {c['output_tokens_per_s']:8.0f} tok/s "
+    print(f"  ceiling (raw forward):  {c['output_throughput']:8.0f} tok/s "
           f"(prefill {c['prefill_s']:.2f} s, decode {c['decode_s']:.2f} s; decode alone "
           f"{c['decode_only_tokens_per_s']:.0f} tok/s)")
     cur = e["current"]
-    print(f"  engine:                 {cur['output_tokens_per_s']:8.0f} tok/s "
-          f"= {cur['output_tokens_per_s'] / c['output_tokens_per_s']:.0%} of the ceiling, "
-          f"{cur['output_tokens_per_s'] / c['decode_only_tokens_per_s']:.0%} of decode alone")
+    print(f"  engine:                 {cur['output_throughput']:8.0f} tok/s "
+          f"= {cur['output_throughput'] / c['output_throughput']:.0%} of the ceiling, "
+          f"{cur['output_throughput'] / c['decode_only_tokens_per_s']:.0%} of decode alone")
     if "baseline" in e:
         base = e["baseline"]
-        print(f"  engine at {result['baseline_ref']}: {base['output_tokens_per_s']:8.0f} tok/s "
-              f"-> {cur['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x now "
-              f"(rounds: now {[round(x) for x in cur['runs_tokens_per_s']]}, "
-              f"then {[round(x) for x in base['runs_tokens_per_s']]})")
+        print(f"  engine at {result['baseline_ref']}: {base['output_throughput']:8.0f} tok/s "
+              f"-> {cur['output_throughput'] / base['output_throughput']:.2f}x now "
+              f"(rounds: now {[round(x) for x in cur['rounds_output_throughput']]}, "
+              f"then {[round(x) for x in base['rounds_output_throughput']]})")
     b, base = result.get("breakdown"), result.get("baseline_breakdown")
     if b:
         print("  engine step breakdown (offline engine under the profiler; seconds, share of wall):")
@@ -286,3 +261,32 @@ def print_report(result: dict) -> None:
             print(line)
         print(f"    output processing (its own thread): {b['output_processing_cpu_s']:.2f} s CPU")
         print(f"  trace: {b['trace']}" + (f" (baseline: {base['trace']})" if base else ""))
+
+
+def ceiling_run(model: str, num_seqs: int, args) -> dict:
+    """`--ceiling` for one model and stream count (args: bench_engine's flags)."""
+    output_len = args.output_len or 128
+    if num_seqs > 256:
+        raise SystemExit("--ceiling decodes every stream in one batch, and the engine runs at "
+                         "most max_num_seqs=256 at once: use --concurrency <= 256")
+    workload = (model, num_seqs, args.input_len, output_len)
+    result = {"workload": dict(zip(("model", "num_seqs", "input_len", "output_len"), workload)),
+              "baseline_ref": args.baseline_ref}
+    result["engine"] = compare_with_baseline(workload, args.baseline_ref, args.repeats, args.current_ref)
+    if args.current_ref:  # two revisions' engines only: the rest measures the working tree
+        cur, base = result["engine"]["current"], result["engine"].get("baseline")
+        print(f"\n{model}, {num_seqs} streams: engine at {args.current_ref} "
+              f"{cur['output_throughput']:.0f} tok/s (rounds {[round(x) for x in cur['rounds_output_throughput']]})"
+              + (f", at {args.baseline_ref} {base['output_throughput']:.0f} tok/s (rounds "
+                 f"{[round(x) for x in base['rounds_output_throughput']]}): "
+                 f"{cur['output_throughput'] / base['output_throughput']:.2f}x" if base else ""))
+        return result
+    result["ceiling"] = raw_forward(engine_config(model), *workload[1:])
+    trace = os.path.join(args.result_dir, f"engine_trace_{model}_{num_seqs}.json")
+    result["breakdown"] = profile_breakdown(*workload, trace)
+    if args.baseline_ref:
+        with source_tree_at(args.baseline_ref) as tree:
+            result["baseline_breakdown"] = in_tree(tree, "profile_breakdown", *workload, os.path.abspath(
+                os.path.join(args.result_dir, f"engine_trace_{model}_{num_seqs}_baseline.json")))
+    print_report(result)
+    return result

@@ -1,0 +1,45 @@
+"""The offline engine runner and its modes at toy sizes (figures are not checked:
+tests assert correctness, never speed), and the GPU check's CPU plumbing."""
+import json
+
+from loadtests import gpu_check
+from loadtests.bench_engine import chat_conversations, chat_sessions
+from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_engine,
+                                     run_process_engine, sessions_of)
+
+
+def test_shared_prefix_and_chat_rows():
+    prompts = random_prompts(3, 8, seed=1, prefix_len=48)
+    assert all(p[:48] == prompts[0][:48] for p in prompts) and len({tuple(p) for p in prompts}) == 3
+    convs = chat_conversations("replicas/assets", 600)[:2]
+    assert all(len(c) >= 2 and len(c[1][0]) > len(c[0][0]) for c in convs)
+    on = engine_config("tiny", enable_prefix_caching=True)
+    off = engine_config("tiny", enable_prefix_caching=False)
+    shared = run_engine(on, sessions_of(prompts, greedy(2)), 1)
+    chat = run_engine(off, chat_sessions(convs, 2), 2)
+    for row in (shared, chat):
+        assert row["median_ttft_ms"] > 0 and row["output_throughput"] > 0
+    assert shared["prefix_cache_hit_rate"] > 0 and chat["prefix_cache_hit_rate"] == 0
+    assert {"median_ttft_turn1_ms", "median_ttft_turn2_ms"} <= set(chat)
+    assert chat["completed"] == sum(map(len, convs))  # every turn of every conversation
+
+
+def test_thread_and_process_engines_stream_every_token():
+    work = sessions_of(random_prompts(4, 16), greedy(6))
+    for row in (run_engine(engine_config("tiny"), work, 2),
+                run_process_engine(dict(model="tiny", max_num_seqs=256), work, 4)):
+        assert (row["completed"], row["failed"], row["total_output_tokens"]) == (4, 0, 24)
+        # per-step release: one token a step, merged only while the reader is behind
+        assert 1.0 <= row["mean_tokens_per_chunk"] < 6.0
+
+
+def test_gpu_check_end_to_end_plumbing_runs_on_cpu(tmp_path):
+    data = gpu_check.main(["--quick", "--parts", "end_to_end", "--out", str(tmp_path),
+                           "--num-requests", "8", "--total-budget-s", "120"])
+    part = data["parts"]["end_to_end"]
+    assert part["status"] == "ok", part
+    for name, _ in gpu_check.E2E_CONFIGS:
+        summary = part["result"]["configs"][name]["summary"]
+        assert summary["completed"] == 8 and summary["failed"] == 0
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["end_to_end"]["status"] == "ok"
+    assert (tmp_path / "gpu_check_blocks.txt").read_text().count("Serving Benchmark Result") == 3
