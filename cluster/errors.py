@@ -129,7 +129,10 @@ def replica_error(exc: BaseException) -> ApiError:
     if isinstance(cause, StopAsyncIteration):
         return ApiError(500, "The engine ended the stream without output", code="engine_error")
     logger.warning("replica call failed: %s: %s", name, cause)
-    return ApiError(503, f"The engine is unavailable ({name})", code="engine_unavailable")
+    # NOTE: a replica lost with its node fails calls before Serve stops routing to
+    # it; the others keep serving, so a client's retry soon succeeds.
+    return ApiError(503, f"The engine is unavailable ({name}); retry later",
+                    code="engine_unavailable", retry_after_s=1.0)
 
 
 def replica_cause_message(exc: BaseException) -> str:

@@ -167,7 +167,8 @@ def test_relay_maps_replica_errors_to_http():
     e = replica_error(ReplicaOverloaded("queue full", 3.0))
     assert e.status == 429 and e.headers() == {"Retry-After": "3"}
     assert replica_error(ReplicaRejected("token id 9 out of range")).status == 400
-    assert replica_error(RuntimeError("actor died")).status == 503
+    lost = replica_error(RuntimeError("actor died"))
+    assert lost.status == 503 and lost.headers() == {"Retry-After": "1"}
 
 
 def test_wire_format_round_trips_and_crosses_as_one_bytes_object():

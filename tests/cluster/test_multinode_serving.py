@@ -105,12 +105,11 @@ def test_replicas_run_where_the_config_places_them(cluster, engine, reference):
     texts = reference(32) * 4
     for r, text in zip(results, texts):
         _assert_complete(r, text, 32)
-    stats = pinned_stats(engine)
-    served = {rid: s["num_requests_admitted"] - before[rid] for rid, s in stats.items()}
+    # Both engine replicas streamed (their deltas crossed to the head's ingresses on
+    # per-step channels), and every stream got exactly its own text.
+    served = {rid: s["num_requests_admitted"] - before[rid]
+              for rid, s in pinned_stats(engine).items()}
     assert sum(served.values()) == len(results) and all(served.values()), served
-    # Each engine replica sent its deltas to the ingress replicas that asked, on
-    # the head: one channel (outbox) per ingress replica at most.
-    assert all(1 <= s["num_outboxes"] <= 2 for s in stats.values()), stats
     print(f"\nplacement: engines on {len(set(engines.values()))} engine nodes, ingresses on "
           f"the head; {len(results)} streams equal the offline text ({served})")
 
@@ -239,22 +238,22 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
         return r
 
     async def probe(client, killed_at: float):
-        """A new request; (seconds after the kill it was sent, status or error)."""
+        """A new request: (seconds after the kill it was sent, the response, seconds
+        after the kill it was answered)."""
         sent = time.monotonic()
-        try:
-            r = await client.post(cluster.base + "/v1/completions",
-                                  json=_body(PROMPTS[0], 4, stream=False))
-            return sent - killed_at, r.status_code, time.monotonic() - killed_at
-        except httpx.HTTPError as e:
-            return sent - killed_at, repr(e), time.monotonic() - killed_at
+        r = await client.post(cluster.base + "/v1/completions",
+                              json=_body(PROMPTS[0], 4, stream=False))
+        return sent - killed_at, r, time.monotonic() - killed_at
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             streams = [asyncio.ensure_future(one(client, i)) for i in range(NODE_LOSS_STREAMS)]
+            deadline = time.monotonic() + 60
             while True:
                 stats = await asyncio.to_thread(pinned_stats, engine, list(nodes))
                 if sum(s["num_running"] for s in stats.values()) == NODE_LOSS_STREAMS:
                     break
+                assert time.monotonic() < deadline, stats
                 await asyncio.sleep(0.1)
             victim = max(stats, key=lambda rid: stats[rid]["num_running"])
             killed_at = time.monotonic()
@@ -278,8 +277,15 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
         if r.done:
             _assert_complete(r, texts[i % len(PROMPTS)], NODE_LOSS_TOKENS)
     errors_s = max(ended_at[i] for i in failed) - killed_at
-    assert all(code == 200 for _, code, _ in probes), probes
-    first_ok_s = min(answered for _, _, answered in probes)
+    # New requests go to the node left. Until Serve learns that the replica is gone,
+    # an ingress replica may still pick it: then 503 + Retry-After (the request may
+    # have reached it, so it is not sent again), at most once per ingress replica.
+    refused = [(sent, r) for sent, r, _ in probes if r.status_code != 200]
+    for sent, r in refused:
+        assert r.status_code == 503 and r.headers.get("retry-after"), (sent, r.text)
+        assert is_openai_error(r.json()) and sent < 3.0, (sent, r.text)
+    assert len(refused) <= 2, [(sent, r.text) for sent, r in refused]
+    first_ok_s = min(answered for _, r, answered in probes if r.status_code == 200)
 
     # Serve replaces the lost replica on the node left free.
     def replaced():
@@ -302,7 +308,8 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
     served_s = time.monotonic() - killed_at
     print(f"\nnode loss: {len(failed)} of {NODE_LOSS_STREAMS} streams were on the lost node and "
           f"ended with an error event within {errors_s:.2f} s; the other "
-          f"{NODE_LOSS_STREAMS - len(failed)} equal the offline text; {len(probes)} new "
-          f"requests meanwhile all 200 (first answered {first_ok_s:.2f} s after the kill); "
+          f"{NODE_LOSS_STREAMS - len(failed)} equal the offline text; of {len(probes)} new "
+          f"requests meanwhile {len(probes) - len(refused)} got 200 (the first answered "
+          f"{first_ok_s:.2f} s after the kill), {len(refused)} a 503 + Retry-After; "
           f"replacement RUNNING on the free node {replaced_s:.1f} s, serving "
           f"{served_s:.1f} s after the kill")
