@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from loadtests.openai_stream import StreamParser, event_text
+
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
@@ -32,13 +34,7 @@ class StreamResult:
 
     @property
     def text(self) -> str:
-        parts = []
-        for e in self.events:
-            if isinstance(e, dict) and e.get("choices"):
-                choice = e["choices"][0]
-                parts.append(choice.get("text") or (choice.get("delta") or {}).get("content")
-                             or "")
-        return "".join(parts)
+        return "".join(event_text(e) for e in self.events if isinstance(e, dict))
 
     @property
     def finish_reason(self) -> str | None:
@@ -67,14 +63,14 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict,
                 "text/event-stream"):
             result.body = await r.aread()
             return result
+        parser = StreamParser(keep_events=True, events=result.events)
         async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            result.events.append(data if data == "[DONE]" else json.loads(data))
+            parser.feed(line, 0.0)
             if hang_up_after_events is not None and len(result.events) >= hang_up_after_events:
                 result.disconnected = True
                 return result
+    if parser.error.startswith("bad JSON"):
+        raise ValueError(parser.error)
     return result
 
 

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from cluster_support import engine_handle, serve_app, wait_until
+from loadtests.openai_stream import StreamParser
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -231,11 +232,9 @@ def test_client_disconnect_aborts_on_replica_and_frees_blocks(server):
     with httpx.Client(timeout=60, headers=AUTH) as c:
         with c.stream("POST", server + "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            lines = r.iter_lines()
-            num_events = 0
-            while num_events < 5:
-                if next(lines).startswith("data: "):
-                    num_events += 1
+            lines, parser = r.iter_lines(), StreamParser()
+            while parser.num_events < 5:
+                parser.feed(next(lines), 0.0)
             assert any(s["num_running"] == 1 for s in all_replica_stats().values())
             disconnected_at = time.monotonic()
     # Closing the response closed the connection mid-stream.
@@ -361,10 +360,12 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server):
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0,
                     "ignore_eos": True, "stream": True}
-            arrivals, big = [], None
+            arrivals, big, parser = [], None, StreamParser()
             async with c.stream("POST", server + "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
-                    if line.startswith("data: "):
+                    num_before = parser.num_events
+                    parser.feed(line, 0.0)
+                    if parser.num_events > num_before:
                         arrivals.append(time.monotonic())
                     if len(arrivals) == 3:
                         big = asyncio.ensure_future(c.post(

@@ -6,12 +6,12 @@ runs in the launcher's lifecycle tests and the docs' commands.)"""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
 from loadtests.local_server import LocalServer
+from loadtests.openai_stream import StreamParser
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -20,15 +20,10 @@ BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24, "temper
 
 
 async def _stream(client: httpx.AsyncClient, url: str) -> tuple[str, bool]:
-    text, done = [], False
     async with client.stream("POST", url, json={**BODY, "stream": True}) as r:
         assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                text.append(json.loads(line[6:])["choices"][0]["text"])
-    return "".join(text), done
+        parsed = StreamParser.of([line async for line in r.aiter_lines()])
+    return parsed.text, parsed.is_done
 
 
 def test_serve_proxy_front_door_serves_streams(tmp_path):

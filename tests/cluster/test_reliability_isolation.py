@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_support import engine_handle, serve_app, wait_until
+from loadtests.openai_stream import StreamParser
 from reliability_support import (engine_stats, greedy_texts, is_idle, is_openai_error,
                                  stream_request)
 
@@ -134,15 +135,14 @@ def test_a_request_whose_sampling_raises_fails_alone(server, reference):
         async with httpx.AsyncClient(timeout=120) as client:
             normal = [asyncio.ensure_future(stream_request(client, url, _greedy(i, 96)))
                       for i in range(3)]
-            events = []
+            parser = StreamParser(keep_events=True)
+            events = parser.events
             async with client.stream("POST", url, json=_greedy(3, VICTIM_TOKENS)) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: "):]
-                    events.append(data if data == "[DONE]" else json.loads(data))
-                    if len(events) == 1:  # its sampling raises from its next step on
+                    num_before = len(events)
+                    parser.feed(line, 0.0)
+                    if num_before == 0 and len(events) == 1:  # its sampling raises from its next step on
                         await asyncio.to_thread(lambda: handle.inject_fault.remote(
                             f"fail_request:{events[0]['id']}").result(timeout_s=30))
             return events, await asyncio.gather(*normal)
@@ -266,11 +266,10 @@ def test_fuzzed_valid_requests_never_5xx_and_normal_streams_complete(server, ref
             if body["stream"]:
                 with c.stream("POST", server + path, json=body) as r:
                     status, text = r.status_code, r.read().decode()
-                events = [line[len("data: "):] for line in text.splitlines()
-                          if line.startswith("data: ")]
-                ok = status == 200 and events and events[-1] == "[DONE]" and not any(
-                    '"error"' in e[:12] for e in events[:-1]) and all(
-                    _all_finite(json.loads(e)) for e in events[:-1])
+                parsed = StreamParser.of(text)  # an error event or bad JSON sets .error
+                events = parsed.events
+                ok = status == 200 and events and events[-1] == "[DONE]" and not parsed.error \
+                    and all(_all_finite(e) for e in events[:-1])
             else:
                 r = c.post(server + path, json=body)
                 status, text = r.status_code, r.text

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import json
 import os
 import re
 import shlex
@@ -38,6 +37,7 @@ import pytest
 import yaml
 
 from cluster_support import free_port
+from loadtests.openai_stream import StreamParser
 from docs_support import (
     MAKE_VARS, REPO, Foreground, Shell, Snippet, all_snippets, distinct, leftovers, read_snippets,
     shell_commands, venv_dir, with_venv,
@@ -81,20 +81,13 @@ def _serve_config(snip: Snippet, text: str, dest: Path, port: int) -> str:
     return _sub(snip, text, r"(?<![\w/.-])configs/serve\.yaml\b", str(dest))
 
 
-def _sse(output: str) -> tuple[list[dict], bool]:
-    """(the JSON events, whether the stream ended with `data: [DONE]`)."""
-    datas = [line[len("data: "):].strip() for line in output.splitlines() if line.startswith("data: ")]
-    events = [json.loads(d) for d in datas if d != "[DONE]"]
-    return events, bool(datas) and datas[-1] == "[DONE]"
-
-
 def _assert_streams(output: str) -> None:
-    events, done = _sse(output)
-    assert done, f"the stream did not end with data: [DONE]:\n{output[-3000:]}"
-    assert not any("error" in e for e in events), output[-3000:]
-    text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
-                   for e in events for c in e.get("choices", []))
-    assert len(events) >= 2 and text, f"expected a streamed answer:\n{output[-3000:]}"
+    parsed = StreamParser.of(output)
+    assert parsed.events and parsed.events[-1] == "[DONE]", (
+        f"the stream did not end with data: [DONE]:\n{output[-3000:]}")
+    assert not parsed.error, output[-3000:]  # no error event, no bad JSON
+    events = parsed.events[:-1]
+    assert len(events) >= 2 and parsed.text, f"expected a streamed answer:\n{output[-3000:]}"
 
 
 def _wait_healthy(base: str, alive=lambda: True, timeout_s: float = READY_TIMEOUT_S) -> None:
