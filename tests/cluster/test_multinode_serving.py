@@ -14,7 +14,7 @@ engine replicas:
   starts a replacement on the node left free.
 
 The tests run in this order on one cluster (the last one kills a node). Each prints
-what it measured (`pytest -s`); RELIABILITY.md, promise 11, has the figures.
+what it measured (`pytest -s`); RELIABILITY.md, section 11, has the figures.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from cluster_support import wait_until
-from multinode_support import (ENGINE_RESOURCE, PLACEMENT_ARGS, deploy, engine_states,
-                               local_cluster, pinned_stats, replica_nodes)
+from multinode_support import (PLACEMENT_ARGS, deploy, engine_states, local_cluster,
+                               pinned_stats, replica_nodes)
 from reliability_support import greedy_texts, is_openai_error, stream_request
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -82,7 +82,7 @@ def _slow(engine, replica_ids, step_delay_s: float) -> None:
         engine.inject_fault.remote(kind, step_delay_s, pin_replica_id=rid).result(timeout_s=30)
 
 
-def _assert_complete(r, text: str, max_tokens: int) -> None:
+def _assert_complete(r, text: str) -> None:
     assert r.status == 200 and r.done and not r.error_events, r.events[-2:]
     assert r.finish_reason == "length" and r.text == text
 
@@ -104,7 +104,7 @@ def test_replicas_run_where_the_config_places_them(cluster, engine, reference):
     results = asyncio.run(run())
     texts = reference(32) * 4
     for r, text in zip(results, texts):
-        _assert_complete(r, text, 32)
+        _assert_complete(r, text)
     # Both engine replicas streamed (their deltas crossed to the head's ingresses on
     # per-step channels), and every stream got exactly its own text.
     served = {rid: s["num_requests_admitted"] - before[rid]
@@ -121,7 +121,7 @@ def test_prompts_sharing_a_prefix_meet_on_one_replica_across_nodes(cluster, engi
         before = {rid: s["num_requests_admitted"] for rid, s in pinned_stats(engine).items()}
         with httpx.Client(timeout=120) as c:
             for i in range(6):
-                body = {**_body(system + [10 + i, 20 + i], 2, stream=False)}
+                body = _body(system + [10 + i, 20 + i], 2, stream=False)
                 assert c.post(cluster.base + "/v1/completions", json=body).status_code == 200
         served = {rid: s["num_requests_admitted"] - before[rid]
                   for rid, s in pinned_stats(engine).items()}
@@ -201,9 +201,9 @@ def test_load_scales_onto_another_node_and_back_without_cutting_streams(cluster,
     assert new_node == free_node
     texts = reference(LOAD_TOKENS)
     for r in load:
-        _assert_complete(r, texts[0], LOAD_TOKENS)
+        _assert_complete(r, texts[0])
     for r in tail:  # none cut by the scale-down
-        _assert_complete(r, texts[1], LOAD_TOKENS)
+        _assert_complete(r, texts[1])
     # the stopped replica's actor goes right after Serve's count
     assert wait_until(lambda: len(replica_nodes("EngineReplica")) == 2, 30)
     (stopped,) = {*old, new} - set(replica_nodes("EngineReplica"))
@@ -275,7 +275,7 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
         assert r.events[-1] is error and is_openai_error(error), r.events[-2:]
     for i, r in enumerate(results):
         if r.done:
-            _assert_complete(r, texts[i % len(PROMPTS)], NODE_LOSS_TOKENS)
+            _assert_complete(r, texts[i % len(PROMPTS)])
     errors_s = max(ended_at[i] for i in failed) - killed_at
     # New requests go to the node left. Until Serve learns that the replica is gone,
     # an ingress replica may still pick it: then 503 + Retry-After (the request may
