@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from loadtests.bench import BenchConfig, make_parser, run_benchmark
+from loadtests.serving_run import BenchConfig, make_parser, run_benchmark
 from loadtests.local_server import LocalServer, free_port
 from loadtests.metrics import format_table, median_rows, ratio
 from loadtests.process_cpu import ROLES

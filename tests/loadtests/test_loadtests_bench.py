@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from loadtests.bench import BenchConfig, main, make_parser, run_benchmark
+from loadtests.bench import main
+from loadtests.serving_run import BenchConfig, make_parser, run_benchmark
 from loadtests.fake_server import FakeServerConfig, FakeServerThread
 from loadtests.openai_stream import StreamParser, join_url
 

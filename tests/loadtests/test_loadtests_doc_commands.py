@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import bench, bench_engine, fake_server, gpu_check, serving_matrix, sharegpt_sample, soak
+from loadtests import (bench, bench_engine, fake_server, gpu_check, serving_matrix, serving_run,
+                       sharegpt_sample, soak)
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "cluster/README.md", "RELIABILITY.md", "loadtests/README.md",
@@ -18,7 +19,7 @@ def _parse_bench(argv: list[str]):
         return sharegpt_sample.make_parser().parse_args(argv[1:])
     if argv[:1] and argv[0] in bench.MATRIX_MODES:
         return serving_matrix.make_preset_parser(argv[0]).parse_args(argv[1:])
-    return bench.make_parser().parse_args(argv)
+    return serving_run.make_parser().parse_args(argv)
 
 
 PARSERS = {"loadtests.bench": _parse_bench, "loadtests.bench_engine": bench_engine.make_parser().parse_args,

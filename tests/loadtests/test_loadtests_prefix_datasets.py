@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from loadtests import datasets
-from loadtests.bench import BenchConfig, make_parser, run_benchmark
+from loadtests.serving_run import BenchConfig, make_parser, run_benchmark
 from loadtests.fake_server import FakeServerConfig, FakeServerThread
 
 
