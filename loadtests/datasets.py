@@ -141,12 +141,17 @@ def is_valid_sequence(prompt_len: int, output_len: int, check_output_min: bool =
                 or prompt_len > MAX_PROMPT_LEN or prompt_len + output_len > MAX_TOTAL_LEN)
 
 
-def load_sharegpt_pairs(path: str | Path) -> list[tuple[str, str]]:
-    """(first human turn, first reply) of every conversation with >= 2 turns."""
+def _turns(path: str | Path) -> list[list[tuple[str, str]]]:
+    """Every conversation as (human message, recorded reply) pairs."""
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
-    return [(c["conversations"][0]["value"], c["conversations"][1]["value"])
-            for c in data if len(c.get("conversations", ())) >= 2]
+    messages = ([m["value"] for m in c.get("conversations", ())] for c in data)
+    return [list(zip(m[0::2], m[1::2])) for m in messages]
+
+
+def load_sharegpt_pairs(path: str | Path) -> list[tuple[str, str]]:
+    """(first human turn, first reply) of every conversation with a reply."""
+    return [turns[0] for turns in _turns(path) if turns]
 
 
 def sample_sharegpt_requests(path: str | Path | None, num_prompts: int,
@@ -206,15 +211,7 @@ def sample_prefix_requests(num_prompts: int, prefix_len: int, suffix_len: int, o
 
 def load_sharegpt_conversations(path: str | Path) -> list[list[tuple[str, str]]]:
     """Every conversation with >= 2 turns, as (human message, recorded reply) pairs."""
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    conversations = []
-    for c in data:
-        messages = [m["value"] for m in c.get("conversations", ())]
-        turns = list(zip(messages[0::2], messages[1::2]))
-        if len(turns) >= 2:
-            conversations.append(turns)
-    return conversations
+    return [turns for turns in _turns(path) if len(turns) >= 2]
 
 
 def conversation_prompts(turns: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from loadtests.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
-from loadtests.metrics import median_rows
+from loadtests.metrics import format_table, median_rows
 from replicas import EngineConfig, SamplingParams
 from replicas.request import Request
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
@@ -247,25 +247,24 @@ def print_report(result: dict) -> None:
               f"then {[round(x) for x in base['rounds_output_throughput']]})")
     b, base = result.get("breakdown"), result.get("baseline_breakdown")
     if b:
-        print("  engine step breakdown (offline engine under the profiler; seconds, share of wall):")
-        head = f"    {'phase':<28}{'now':>16}"
-        if base:
-            head += f"{'at ' + result['baseline_ref']:>20}"
-        print(head)
-        rows = [(p, b["phases_s"][p], base["phases_s"].get(p) if base else None) for p in b["phases_s"]]
-        rows.append(("wall", b["wall_s"], base["wall_s"] if base else None))
-        for phase, now, then in rows:
-            line = f"    {phase:<28}{now:8.2f} s {now / b['wall_s']:6.1%}"
-            if then is not None:
-                line += f"{then:12.2f} s {then / base['wall_s']:6.1%}"
-            print(line)
-        print(f"    output processing (its own thread): {b['output_processing_cpu_s']:.2f} s CPU")
-        print(f"  trace: {b['trace']}" + (f" (baseline: {base['trace']})" if base else ""))
+        rows = {}
+        for phase in [*b["phases_s"], "wall"]:
+            now = b["wall_s"] if phase == "wall" else b["phases_s"][phase]
+            rows[phase] = {"now": now, "now_share": now / b["wall_s"]}
+            if base:
+                then = base["wall_s"] if phase == "wall" else base["phases_s"].get(phase, 0.0)
+                rows[phase].update(then=then, then_share=then / base["wall_s"])
+        columns = [("now", "now s", ".2f"), ("now_share", "share", ".1%")]
+        columns += [("then", f"at {result['baseline_ref']} s", ".2f"), ("then_share", "share", ".1%")] if base else []
+        print("engine step breakdown (offline engine under the profiler; seconds, share of wall):\n"
+              + format_table(rows, columns, name_header="phase"))
+        print(f"output processing (its own thread): {b['output_processing_cpu_s']:.2f} s CPU; trace: "
+              f"{b['trace']}" + (f" (baseline: {base['trace']})" if base else ""))
 
 
 def ceiling_run(model: str, num_seqs: int, args) -> dict:
     """`--ceiling` for one model and stream count (args: bench_engine's flags)."""
-    output_len = args.output_len or 128
+    output_len = args.output_len
     if num_seqs > 256:
         raise SystemExit("--ceiling decodes every stream in one batch, and the engine runs at "
                          "most max_num_seqs=256 at once: use --concurrency <= 256")

@@ -233,22 +233,21 @@ def http_rows(args) -> list[Row]:
 
 
 def report_http(rows: dict[str, dict], args, result_dir: Path) -> dict:
+    variants = [parse_variant(v).name for v in args.variant or DEFAULT_VARIANTS]
+    for name, row in rows.items():  # each served row against the offline engine at its temperature
+        offline = rows.get(f"offline, {name.rsplit(', ', 1)[-1]}", {})
+        row["x_offline"] = ratio(row.get("output_throughput"), offline.get("output_throughput"))
+        if "cpu_us server" in row:
+            row["cpu_us front door + ingress"] = row["cpu_us front door"] + row["cpu_us ingress"]
     print(f"\n{args.model}, {args.num_prompts} prompts, {args.random_input_len} in / "
           f"{args.random_output_len} out, streaming; medians of {args.repeats} round(s)")
-    print(format_table(rows, [c for c in COLUMNS if c[0] != "p99_tpot_ms"] + [("failed", "failed", "g")]))
+    print(format_table(rows, [c for c in COLUMNS if c[0] != "p99_tpot_ms"]
+                       + [("x_offline", "tok/s x offline", ".2f"), ("failed", "failed", "g")]))
     print("\nCPU us per output token")
     print(format_table({n: r for n, r in rows.items() if "cpu_us server" in r},
-                       [(f"cpu_us {role}", role, ".1f") for role in (*ROLES, "server")]))
-    variants = [parse_variant(v).name for v in args.variant or DEFAULT_VARIANTS]
-    for t in args.temperatures:
-        offline = rows[f"offline, t={t:g}"]["output_throughput"]
-        if t != 0 and "offline, t=0" in rows:
-            print(f"offline t={t:g} vs greedy: {offline / rows['offline, t=0']['output_throughput']:.2f}x")
-        for name in variants:
-            r = rows[f"http {name}, t={t:g}"]
-            doors = r.get("cpu_us front door", 0.0) + r.get("cpu_us ingress", 0.0)
-            print(f"http {name}, t={t:g}: {ratio(r.get('output_throughput'), offline) or 0:.2f}x offline "
-                  f"tok/s; front door + ingress {doors:.1f} us/token")
+                       [(f"cpu_us {role}", role, ".1f") for role in (*ROLES, "server", "front door + ingress")]))
+    if "offline, t=0" in rows and "offline, t=1" in rows:
+        print(f"offline t=1 vs greedy: {ratio(rows['offline, t=1']['output_throughput'], rows['offline, t=0']['output_throughput']) or 0:.2f}x")
     added = (rows[f"http {variants[0]}, c=1"].get("median_ttft_ms", float("nan"))
              - rows["offline, c=1"]["median_ttft_ms"])
     print(f"http {variants[0]}: +{added:.1f} ms median TTFT at concurrency 1")

@@ -1,8 +1,10 @@
 """The offline engine runner and its modes at toy sizes (figures are not checked:
 tests assert correctness, never speed), and the GPU check's CPU plumbing."""
+import argparse
 import json
 
 from loadtests import gpu_check
+from loadtests.engine_ceiling import ceiling_run
 from loadtests.bench_engine import chat_conversations, chat_sessions
 from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_engine,
                                      run_process_engine, sessions_of)
@@ -31,6 +33,18 @@ def test_thread_and_process_engines_stream_every_token():
         assert (row["completed"], row["failed"], row["total_output_tokens"]) == (4, 0, 24)
         # per-step release: one token a step, merged only while the reader is behind
         assert 1.0 <= row["mean_tokens_per_chunk"] < 6.0
+
+
+def test_ceiling_run_measures_forward_engine_and_breakdown(tmp_path, capsys):
+    args = argparse.Namespace(input_len=8, output_len=4, baseline_ref=None, current_ref=None,
+                              repeats=1, result_dir=str(tmp_path))
+    result = ceiling_run("tiny", 4, args)
+    engine = result["engine"]["current"]  # run by the harness in a fresh interpreter
+    assert engine["completed"] == 4 and engine["total_output_tokens"] == 16
+    assert result["ceiling"]["output_throughput"] > 0
+    assert set(result["breakdown"]["phases_s"]) >= {"schedule", "sampling", "matmuls"}
+    assert (tmp_path / "engine_trace_tiny_4.json").stat().st_size > 0
+    assert "engine step breakdown" in capsys.readouterr().out
 
 
 def test_gpu_check_end_to_end_plumbing_runs_on_cpu(tmp_path):
