@@ -12,7 +12,8 @@ app serves on a loopback --host only, unless --allow-unauthenticated
 
 Flags override `--config` (a Serve config YAML whose first application's `args`
 and `http_options` are the base); without a config the defaults are those of
-`AppArgs` (the `tiny` preset on CPU). `loadtests/compare.py` spawns this CLI.
+`AppArgs` (the `tiny` preset on CPU). The HTTP matrix (`python -m loadtests.bench compare`)
+and the fake server (`loadtests/fake_server.py`, which parses these flags) use this CLI.
 """
 from __future__ import annotations
 
