@@ -1,14 +1,21 @@
 """`python -m cluster.serve_local`: the whole app on a local Ray, one command.
 
-Starts a local Ray (logical CPUs fixed by --num-cpus), Serve's HTTP proxy on
---host/--port, and the app of `cluster.app.build_app`; waits until /health
-answers, prints the URL and a curl line that streams a completion, and serves
-until SIGINT/SIGTERM, then shuts Serve and Ray down, in that order, and exits 0.
+Checks what it can before Ray starts (the model, the HTTP and metrics ports: a
+mistake costs one line, not a traceback), starts a local Ray (logical CPUs fixed
+by --num-cpus; Prometheus metrics on --metrics-port), Serve's front door on
+--host/--port and the app of `cluster.app.build_app`; waits until /health
+answers, prints where it serves, the model with the dtype and attention backend
+its engine resolved, where the metrics and logs are and a curl line that streams
+(cluster/console.py: also which of Ray's own lines are hidden, and why), and
+serves until SIGINT/SIGTERM, then shuts Serve and Ray down, in that order, and
+exits 0. A failure to start prints what went wrong and what to do, and exits 1
+(2 for flags or a config that cannot work).
 
 The API key comes from the env var STEPSTREAM_API_KEY (or --api-key, which the
 process list shows) and reaches the app as its SHA-256 only. Without a key the
 app serves on a loopback --host only, unless --allow-unauthenticated
-(cluster/access.py).
+(cluster/access.py). --engine-num-gpus gives each engine replica that many GPUs
+(its device is then cuda).
 
 Flags override `--config` (a Serve config YAML whose first application's `args`
 and `http_options` are the base); without a config the defaults are those of
@@ -19,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import logging
 import os
 import signal
 import sys
@@ -28,8 +35,9 @@ import time
 import urllib.error
 import urllib.request
 
-from cluster import process_reaper
+from cluster import console, preflight, process_reaper
 from cluster.access import API_KEY_ENV, check_access, key_digest
+from cluster.console import curl_line  # noqa: F401 - tests and tools import it from here
 from cluster.engine_args import add_engine_flags, engine_flag_values
 from cluster.front_door import FRONT_DOORS, front_door_env, resolve_front_door
 
@@ -43,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name")
     p.add_argument("--host", help="default 127.0.0.1")
     p.add_argument("--port", type=int, help="default 8000")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help=f"Ray's Prometheus metrics on http://127.0.0.1:PORT/metrics (default "
+                        f"{preflight.DEFAULT_METRICS_PORT}; when that one is taken, a free "
+                        "port, printed)")
     # One flag per EngineConfig field (--model, --num-scheduler-steps,
     # --no-async-output, --enforce-eager, ...), so none is forgotten.
     add_engine_flags(p)
@@ -52,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-engine-replicas", type=int)
     p.add_argument("--num-ingress-replicas", type=int)
     p.add_argument("--engine-num-cpus", type=float)
+    p.add_argument("--engine-num-gpus", type=float,
+                   help="GPUs per engine replica (default 0: CPU); > 0 runs the engine on cuda")
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>'; better the env "
                    "var STEPSTREAM_API_KEY (a flag shows in the process list)")
     p.add_argument("--allow-unauthenticated", action="store_true",
@@ -63,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # NOTE: kept so that older command lines still run; HAProxy is the default now.
     p.add_argument("--fast-front-door", dest="front_door", action="store_const",
                    const="haproxy", help=argparse.SUPPRESS)
-    p.add_argument("--verbose", action="store_true", help="show Ray workers' logs here")
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray's own console lines and the replicas' logs here")
     return p.parse_args(argv)
 
 
@@ -83,6 +98,7 @@ def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
              "num_engine_replicas": ns.num_engine_replicas,
              "num_ingress_replicas": ns.num_ingress_replicas,
              "engine_num_cpus": ns.engine_num_cpus,
+             "engine_num_gpus": ns.engine_num_gpus,
              "allow_unauthenticated": ns.allow_unauthenticated or None}
     args.update(engine_flag_values(ns))
     args.update({k: v for k, v in flags.items() if v is not None})
@@ -101,9 +117,12 @@ def _use_key(args: dict, key: str | None) -> None:
     args["api_key_sha256"] = key_digest(key).hex()
 
 
-def wait_healthy(base: str, timeout_s: float, stop: threading.Event | None = None) -> bool:
-    """True once /health answers 200; False if `stop` is set first."""
+def wait_healthy(base: str, timeout_s: float, stop: threading.Event | None = None,
+                 failed=None) -> bool:
+    """True once /health answers 200; False if `stop` is set first. `failed()`
+    returns why the app can never get healthy (raised as RuntimeError), or None."""
     deadline = time.monotonic() + timeout_s
+    next_check = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         if stop is not None and stop.is_set():
             return False
@@ -111,6 +130,11 @@ def wait_healthy(base: str, timeout_s: float, stop: threading.Event | None = Non
             with urllib.request.urlopen(base + "/health", timeout=5) as r:
                 if r.status == 200:
                     return True
+        if failed is not None and time.monotonic() >= next_check:
+            why = failed()
+            if why:
+                raise RuntimeError(why)
+            next_check = time.monotonic() + 2.0
         time.sleep(0.5)
     raise TimeoutError(f"{base}/health did not answer 200 within {timeout_s:.0f}s")
 
@@ -127,73 +151,190 @@ def _stop_on_signals(stop: threading.Event) -> None:
         signal.signal(sig, handler)
 
 
-def curl_line(base: str, model: str, has_key: bool) -> str:
-    body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 32,
-                       "stream": True})
-    auth = ' -H "Authorization: Bearer $STEPSTREAM_API_KEY"' if has_key else ""
-    return (f"curl -N {base}/v1/completions -H 'Content-Type: application/json'{auth} "
-            f"-d '{body}'")
+def _last_line(text: str | None) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _deploy_failure() -> str | None:
+    """Why the app failed to deploy (Serve gave up on it): each failed deployment's
+    last line (a replica constructor's exception), or None."""
+    from ray import serve
+
+    def failed(status) -> bool:
+        return str(getattr(status, "value", status)) in ("DEPLOY_FAILED", "UNHEALTHY")
+
+    with contextlib.suppress(Exception):
+        app = serve.status().applications.get(APP_NAME)
+        if app is not None and failed(app.status):
+            why = [f"{name}: {_last_line(d.message)}" for name, d in app.deployments.items()
+                   if failed(d.status) and d.message]
+            return "; ".join(why) or _last_line(app.message) or "the app failed to deploy"
+    return None
+
+
+def _engine_facts() -> dict:
+    """What the engine resolved (dtype, device, attention backend) and its KV cache.
+
+    NOTE: the handle's router runs in a loop of its own: with Serve's throughput-
+    optimized mode (the HAProxy front door) it would default to the caller's event
+    loop, which this thread does not have."""
+    from ray import serve
+
+    with contextlib.suppress(Exception):  # the console line then lacks the details
+        handle = serve.get_deployment_handle("EngineReplica", app_name=APP_NAME)
+        handle._init(_run_router_in_separate_loop=True)
+        info = handle.model_info.remote().result(timeout_s=30)
+        stats = handle.stats.remote().result(timeout_s=30)
+        return {**info, "num_kv_blocks": stats.get("num_total_blocks")}
+    return {}
+
+
+def _logs_dir() -> str | None:
+    import ray
+
+    with contextlib.suppress(Exception):
+        return os.path.join(ray._private.worker._global_node.get_logs_dir_path(), "serve")
+    return None
+
+
+def _preflight(app_cfg, host: str, port: int, requested_metrics_port: int | None
+               ) -> tuple[int | None, int]:
+    """(metrics port, 0), or (None, exit status) after saying what is wrong."""
+    problem = preflight.model_problem(app_cfg.model)
+    if problem:
+        console.error(problem, "pass --model tiny, or a local Hugging Face checkpoint directory")
+        return None, 2
+    problem = preflight.bind_problem(host, port)
+    if problem:
+        console.error(f"{problem}: another server, or a stepstream still running?",
+                      f"pass another port: --port {port + 1} "
+                      f"(make serve SERVE_FLAGS=\"--port {port + 1}\")")
+        return None, 1
+    mport, problem = preflight.metrics_port(requested_metrics_port)
+    if mport is None:
+        console.error(f"{problem}, so Ray cannot export its metrics there",
+                      f"pass another port: --metrics-port {requested_metrics_port + 1}")
+        return None, 1
+    if problem:
+        console.warn(problem)
+    return mport, 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.api_key:
-        print(f"warning: --api-key shows in the process list; prefer the env var {API_KEY_ENV}",
-              file=sys.stderr, flush=True)
+        console.warn(f"--api-key shows in the process list; prefer the env var {API_KEY_ENV}")
     args, host, port = app_args(ns)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # NOTE: token auth is what Ray picks for a new local instance anyway; set, it is
+    # picked without Ray's notice that suggests turning it off.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     front_door, why = resolve_front_door(ns.front_door)
     # NOTE: before Ray starts: Serve reads these once, in every process.
     os.environ.update(front_door_env(front_door, local=True))
-    import ray
-    from ray import serve
+    from cluster.app import AppArgs
 
-    from cluster.app import AppArgs, make_app
-
-    app_cfg = AppArgs.model_validate(args)  # fail fast, before Ray starts
+    try:
+        app_cfg = AppArgs.model_validate(args)  # fail fast, before Ray starts
+    except ValueError as e:
+        console.error(f"invalid settings: {e}")
+        return 2
     has_key = app_cfg.api_key_digest() is not None
     try:
         warning = check_access(host, has_key, app_cfg.allow_unauthenticated)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        console.error(str(e))
         return 2
     if warning:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
+        console.warn(warning)
+    mport, status = _preflight(app_cfg, host, port, ns.metrics_port)
+    if mport is None:
+        return status
+    console.say(f"Front door: {front_door} ({why})")
+    return _serve(ns, app_cfg, host, port, mport, has_key)
+
+
+def _serve(ns, app_cfg, host: str, port: int, mport: int, has_key: bool) -> int:
+    import ray
+    from ray import serve
+
     num_engines = app_cfg.num_engine_replicas
     num_cpus = ns.num_cpus or max(os.cpu_count() or 2,
                                   int(num_engines * app_cfg.engine_num_cpus + 1))
+    if not ns.verbose:
+        console.quiet_ray()
     stop = threading.Event()
     _stop_on_signals(stop)
     # Ends Ray's processes (workers, agents, HAProxy) if this process dies uncleanly.
     reaper = process_reaper.start()
+    mode = os.environ["RAY_AUTH_MODE"]
+    auth = "token auth on" if mode == "token" else f"RAY_AUTH_MODE={mode}"
+    console.say(f"Starting a local Ray ({num_cpus} CPUs, {auth}), Serve and the app")
     # NOTE: address="local": always a Ray of its own, even when `ray start` left one
     # running (connecting to it would refuse num_cpus).
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             log_to_driver=ns.verbose)
+             log_to_driver=ns.verbose, _metrics_export_port=mport,
+             logging_level=logging.INFO if ns.verbose else logging.WARNING)
     # NOTE: again: ray.init installs its own SIGTERM handler (sys.exit(15)).
     _stop_on_signals(stop)
     if reaper is not None and reaper.poll() is not None:
-        print("warning: the watchdog that ends Ray's processes if this launcher dies did "
-              f"not start (exit {reaper.returncode}); a SIGKILL may leave them running",
-              file=sys.stderr, flush=True)
+        console.warn("the watchdog that ends Ray's processes if this launcher dies did not "
+                     f"start (exit {reaper.returncode}); a SIGKILL may leave them running")
+    status = 0
     try:
-        base = f"http://{host}:{port}"
-        print(f"Front door: {front_door} ({why})", flush=True)
-        if not stop.is_set():
-            serve.start(http_options={"host": host, "port": port})
-            serve.run(make_app(app_cfg), name=APP_NAME, route_prefix="/", blocking=False)
-        if not stop.is_set() and wait_healthy(base, timeout_s=600, stop=stop):
-            print(f"Serving at {base}/v1", flush=True)
-            print(curl_line(base, app_cfg.name_served, has_key), flush=True)
-            while not stop.wait(1.0):
-                pass
-        print("Shutting down", flush=True)
+        status = _run_app(app_cfg, host, port, mport, has_key, stop)
+        console.say("Shutting down")
     finally:
         # Serve first (it drains and stops its replicas), then Ray.
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
-    print("Stopped", flush=True)
+    console.say("Stopped")
+    return status
+
+
+def _run_app(app_cfg, host: str, port: int, mport: int, has_key: bool,
+             stop: threading.Event) -> int:
+    """Start Serve and the app, say where it serves, wait for a signal; the exit status."""
+    import ray
+    from ray import serve
+
+    from cluster.app import make_app
+
+    problem = preflight.gpu_problem(app_cfg.engine_num_gpus * app_cfg.num_engine_replicas,
+                                    ray.cluster_resources().get("GPU", 0.0))
+    if problem:
+        console.error(problem)
+        return 1
+    logs = _logs_dir()
+    see_logs = f"the replicas' logs: {logs}" if logs else "--verbose shows Ray's own lines"
+    base = f"http://{host}:{port}"
+    try:
+        if stop.is_set():
+            return 0
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(make_app(app_cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        if not wait_healthy(base, timeout_s=600, stop=stop, failed=_deploy_failure):
+            return 0
+    except Exception as e:  # noqa: BLE001 - said in a line; --verbose shows Ray's output
+        why = _deploy_failure() or _last_line(str(e)) or type(e).__name__
+        console.error(f"the app did not start: {why}", see_logs)
+        return 1
+    facts = _engine_facts()
+    if facts.get("num_kv_blocks"):
+        facts["num_kv_tokens"] = facts["num_kv_blocks"] * app_cfg.block_size
+    console.say(console.model_line(facts or {"model": app_cfg.model}, app_cfg.num_engine_replicas,
+                                   app_cfg.num_ingress_replicas, app_cfg.engine_num_gpus))
+    console.say(f"Serving at {base}/v1")
+    console.say(f"Metrics at http://127.0.0.1:{mport}/metrics (Prometheus; names "
+                "ray_stepstream_*: docs/operations.md)")
+    if logs:
+        console.say(f"Logs in {logs}")
+    console.say(curl_line(base, app_cfg.name_served, has_key))
+    console.say("Ctrl-C stops Serve and Ray")
+    while not stop.wait(1.0):
+        pass
     return 0
 
 

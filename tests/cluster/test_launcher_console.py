@@ -1,0 +1,177 @@
+"""What the local launcher (`python -m cluster.serve_local`, `make serve`) says, and
+what its flags reach. A busy port costs a short message that names the flag to
+pass and a non-zero exit, before Ray starts; --metrics-port reaches Ray's metrics
+export and --engine-num-gpus the engine replica's resources, and a machine whose Ray
+sees too few GPUs is told so instead of waiting forever; an app that cannot deploy
+says why in a line; Ray's misleading shutdown lines are dropped. Only the deploy
+failure starts a Ray: the flag plumbing runs against stand-ins for `ray.init` and
+`serve.start`."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from cluster import console, preflight
+from cluster_support import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _launcher(*flags: str, timeout_s: float = 90) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_API_KEY"}
+    return subprocess.run([sys.executable, "-m", "cluster.serve_local", *flags],
+                          capture_output=True, text=True, timeout=timeout_s, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+def _listening(port: int, host: str = "127.0.0.1") -> socket.socket:
+    s = socket.socket()
+    s.bind((host, port))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("which", ["http", "metrics"])
+def test_a_busy_port_says_which_flag_to_pass_and_exits_before_ray(which):
+    taken = free_port()
+    http_port = taken if which == "http" else free_port()
+    flags = ["--port", str(http_port)]
+    if which == "metrics":
+        flags += ["--metrics-port", str(taken)]
+    with _listening(taken, "127.0.0.1" if which == "http" else ""):
+        started = time.monotonic()
+        result = _launcher(*flags)
+        elapsed_s = time.monotonic() - started
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert f"port {taken} is in use" in result.stderr, out
+    flag = "--port" if which == "http" else "--metrics-port"
+    assert f"{flag} {taken + 1}" in result.stderr, out
+    assert "Traceback" not in out and len(out.splitlines()) <= 4, out
+    assert "Starting a local Ray" not in out  # it said so before Ray started
+    print(f"\n{which} port busy: exit 1 after {elapsed_s:.1f} s:\n{out}")
+
+
+def test_the_default_metrics_port_falls_back_when_taken_and_says_where(monkeypatch):
+    taken = free_port()
+    monkeypatch.setattr(preflight, "DEFAULT_METRICS_PORT", taken)
+    with _listening(taken, ""):
+        port, warning = preflight.metrics_port(None)
+        assert port != taken and preflight.bind_problem("", port) is None
+        assert f"metrics on port {port}" in warning and "--metrics-port" in warning
+        assert preflight.metrics_port(taken) == (None, f"port {taken} is in use on this machine")
+    assert preflight.metrics_port(None) == (taken, None)
+
+
+def test_a_missing_model_directory_is_one_line_before_ray(tmp_path):
+    result = _launcher("--model", str(tmp_path / "nowhere"), "--port", str(free_port()))
+    assert result.returncode == 2, result.stderr
+    assert "neither a preset" in result.stderr and "Traceback" not in result.stderr
+    assert preflight.model_problem(str(tmp_path)).endswith("has no config.json (a Hugging "
+                                                           "Face checkpoint has)")
+    assert preflight.model_problem("tiny") is None
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_an_app_that_cannot_deploy_says_why_and_exits(tmp_path):
+    """A checkpoint without its tokenizer: the replica's own error, in one line, and
+    exit 1 (not the 600 s wait for /health)."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    result = _launcher("--model", str(tmp_path), "--port", str(free_port()), "--num-cpus", "2",
+                       "--metrics-port", str(free_port()), timeout_s=240)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"the app did not start: Ingress: FileNotFoundError: no tokenizer.json in {tmp_path}" \
+        in result.stderr, result.stderr
+    assert "the replicas' logs: " in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout.splitlines()[-2:] == ["Shutting down", "Stopped"], result.stdout
+
+
+def test_flags_reach_the_app_args():
+    from cluster.app import AppArgs
+    from cluster.serve_local import app_args, parse_args
+
+    assert parse_args([]).metrics_port is None  # the default, resolved at start
+    assert parse_args(["--metrics-port", "9100"]).metrics_port == 9100
+    args, _, _ = app_args(parse_args(["--engine-num-gpus", "1", "--model", "tiny"]))
+    app = AppArgs.model_validate(args)
+    assert app.engine_config().device == "cuda"
+    assert app.engine_options()["ray_actor_options"]["num_gpus"] == 1
+    args, _, _ = app_args(parse_args([]))
+    assert "engine_num_gpus" not in args and AppArgs.model_validate(args).engine_config().device == "cpu"
+
+
+# Runs the launcher's main() in a child process with stand-ins for Ray: prints what
+# ray.init got and the exit status.
+_STAND_INS = textwrap.dedent("""
+    import json, sys
+    import ray
+    from ray import serve
+    from cluster import process_reaper, serve_local
+
+    seen = {}
+    process_reaper.start = lambda: None
+    ray.init = lambda **kw: seen.update(init={k: kw.get(k) for k in ("_metrics_export_port",
+                                                                      "logging_level")})
+    ray.cluster_resources = lambda: {"CPU": 2.0, "GPU": float(sys.argv[1])}
+    ray.shutdown = lambda: None
+    def start(**kw):
+        seen["serve_start"] = kw
+        raise RuntimeError("Ray's own words\\nFailed to bind to address 127.0.0.1:1")
+    serve.start = start
+    serve.shutdown = lambda: None
+    status = serve_local.main(sys.argv[2:])
+    print("RESULT " + json.dumps({"status": status, **seen}))
+""")
+
+
+def _with_stand_ins(num_gpus_seen: int, *flags: str) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_API_KEY"}
+    result = subprocess.run([sys.executable, "-c", _STAND_INS, str(num_gpus_seen), *flags],
+                            capture_output=True, text=True, timeout=90, env=env)
+    line = next((x for x in result.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, result.stdout + result.stderr
+    return json.loads(line[len("RESULT "):]), result.stderr
+
+
+def test_metrics_port_reaches_ray_and_too_few_gpus_is_said_plainly():
+    mport = free_port()
+    flags = ["--port", str(free_port()), "--metrics-port", str(mport), "--engine-num-gpus", "1"]
+    seen, stderr = _with_stand_ins(0, *flags)
+    assert seen["status"] == 1 and seen["init"]["_metrics_export_port"] == mport
+    assert "serve_start" not in seen  # Serve would wait for the GPU forever
+    assert "Ray sees 0 GPUs" in stderr and "nvidia-smi" in stderr, stderr
+    seen, stderr = _with_stand_ins(1, *flags)
+    assert seen["status"] == 1 and "serve_start" in seen  # the GPU is there: Serve starts
+    assert "the app did not start: Failed to bind to address" in stderr, stderr
+    assert "Traceback" not in stderr and len(stderr.splitlines()) <= 4, stderr
+
+
+def test_ray_lines_that_mislead_are_dropped_with_their_newline():
+    out = io.StringIO()
+    stream = console.LineFilter(out)
+    for line in ("(raylet) Task ServeController.graceful_shutdown failed. There are infinite "
+                 "retries remaining, so the task will be retried. Error: The actor is dead "
+                 "because it was killed by `ray.kill`.",
+                 "(raylet) Task ServeController.listen_for_change failed. ... killed by "
+                 "`ray.kill`.", "Serving at http://127.0.0.1:8000/v1", ""):
+        print(line, file=stream)
+    assert out.getvalue() == "Serving at http://127.0.0.1:8000/v1\n\n"
+
+
+def test_the_model_line_says_dtype_backend_and_replicas():
+    info = {"model": "tiny", "dtype": "float32", "device": "cpu", "attention_backend": "cpu",
+            "num_kv_tokens": 262144}
+    assert console.model_line(info, 1, 1, 0) == (
+        "Model: tiny (float32 on cpu, attention backend cpu, KV cache 262,144 tokens); "
+        "1 engine replica, 1 ingress replica")
+    assert console.model_line({"model": "/m"}, 2, 4, 1) == (
+        "Model: /m; 2 engine replicas, 1 GPU each, 4 ingress replicas")
