@@ -380,7 +380,7 @@ class Ingress:
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers=SSE_HEADERS)
         return JSONResponse(await json_body(relay, formatter, chat, token_text,
-                                            len(prompt_ids)))
+                                            len(prompt_ids), metrics=self._metrics))
 
     def _check_prompt_chars(self, req, chat: bool, max_model_len: int) -> None:
         """400 before tokenizing a prompt too long for the context whatever it holds."""

@@ -1,7 +1,9 @@
 """Ray metrics of the ingress and the replicas (exported for Prometheus by Ray).
 
 Created inside the deployments' constructors (metrics need a Ray worker). Names
-are prefixed `stepstream_`; Ray adds its own `ray_` prefix on export.
+are declared `stepstream_*`; Ray's exporter adds `ray_` and Prometheus' suffixes
+(`_total` for counters, `_bucket`/`_sum`/`_count` for histograms), so a scrape
+shows `ray_stepstream_output_tokens_total` (docs/operations.md lists them all).
 
 NOTE: a Ray metric record costs tens of microseconds (more than formatting an
 SSE event), so the hot path records one value per event (the ITL) and everything
@@ -52,6 +54,13 @@ class IngressMetrics:
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.inc(1, {"route": route, "status": str(status)})
+
+    def count_tokens(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """Once per request that reached the engine, streamed or not."""
+        if num_prompt_tokens:
+            self.prompt_tokens.inc(num_prompt_tokens)
+        if num_output_tokens:
+            self.output_tokens.inc(num_output_tokens)
 
 
 class ReplicaMetrics:

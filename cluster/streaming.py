@@ -42,6 +42,11 @@ def _logprobs(token_ids, logprobs, top_logprobs, chat: bool, token_text: TokenTe
     return completion_logprobs(token_ids, logprobs, top_logprobs, token_text, text_offset)
 
 
+def count_tokens(metrics, num_prompt_tokens: int, num_output_tokens: int) -> None:
+    if metrics is not None:
+        metrics.count_tokens(num_prompt_tokens, num_output_tokens)
+
+
 class _Timing:
     """TTFT, ITL and TPOT of one stream, into the ingress metrics.
 
@@ -69,12 +74,10 @@ class _Timing:
         self.last_at = now
         self.num_events += 1
 
-    def finish(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
+    def finish(self, num_output_tokens: int) -> None:
+        """TPOT and tokens per event of a complete stream (tokens: `count_tokens`)."""
         if self.metrics is None:
             return
-        self.metrics.prompt_tokens.inc(num_prompt_tokens)
-        if num_output_tokens:
-            self.metrics.output_tokens.inc(num_output_tokens)
         if self.num_events:
             self.metrics.tokens_per_event.observe(num_output_tokens / self.num_events)
         if num_output_tokens > 1 and self.num_events:
@@ -105,31 +108,39 @@ async def sse_events(relay: Relay, formatter, chat: bool, token_text: TokenText 
         if formatter.include_usage:
             yield formatter.usage_event(num_prompt_tokens, num_output_tokens)
         yield DONE_EVENT
-        timing.finish(num_prompt_tokens, num_output_tokens)
+        timing.finish(num_output_tokens)
     except (asyncio.CancelledError, GeneratorExit):
         raise
     except Exception:
         logger.exception("stream %s failed", relay.request_id)
         yield sse_error_event(ApiError(500, "Internal server error", code="internal_error"))
+    finally:
+        # NOTE: every ending counts: a stream cut short sent its tokens too.
+        count_tokens(metrics, num_prompt_tokens, num_output_tokens)
 
 
 async def json_body(relay: Relay, formatter, chat: bool, token_text: TokenText | None,
-                    num_prompt_tokens: int) -> dict:
+                    num_prompt_tokens: int, metrics=None) -> dict:
     texts: list[str] = []
     token_ids: list[int] = []
     logprobs: list[float] = []
     top_logprobs: list = []
     last = None
-    async with aclosing(relay.text_deltas()) as text_deltas:
-        async for td in text_deltas:
-            if is_error(td):
-                raise _engine_failure(td, relay)
-            texts.append(td.text)
-            if token_text is not None and td.logprobs is not None:
-                token_ids.extend(td.token_ids)
-                logprobs.extend(td.logprobs)
-                top_logprobs.extend(td.top_logprobs or [])
-            last = td
+    try:
+        async with aclosing(relay.text_deltas()) as text_deltas:
+            async for td in text_deltas:
+                if is_error(td):
+                    raise _engine_failure(td, relay)
+                texts.append(td.text)
+                if token_text is not None and td.logprobs is not None:
+                    token_ids.extend(td.token_ids)
+                    logprobs.extend(td.logprobs)
+                    top_logprobs.extend(td.top_logprobs or [])
+                last = td
+    finally:
+        # NOTE: output tokens only with an answer: a failed one sends none.
+        answered = last is not None and last.finish_reason is not None
+        count_tokens(metrics, num_prompt_tokens, last.num_output_tokens if answered else 0)
     assert last is not None  # text_deltas always ends with a finished delta
     lp = None
     if token_text is not None:

@@ -433,6 +433,73 @@ def test_metrics_are_exported_for_prometheus(server):
     assert wait_until(lambda: not missing(), timeout_s=60, interval_s=2), missing()
 
 
+TOKEN_SERIES = ("ray_stepstream_requests_total", "ray_stepstream_prompt_tokens_total",
+                "ray_stepstream_output_tokens_total")
+
+
+def _scraped_totals(port: int) -> dict[str, float]:
+    """Each series' value summed over its labels (one series per worker)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    totals = dict.fromkeys(TOKEN_SERIES, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def test_non_streaming_requests_count_their_tokens(server):
+    """`stream: false` moves the token counters by the usage it answers with."""
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    # NOTE: Ray exports what workers recorded every 10 s: start from totals that held
+    # still over more than one export, so no earlier test's tokens arrive in between.
+    before = _scraped_totals(port)
+    for _ in range(6):
+        time.sleep(11)
+        now = _scraped_totals(port)
+        if now == before:
+            break
+        before = now
+    r = httpx.post(server + "/v1/completions", headers=AUTH, timeout=60, json={
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 9, "ignore_eos": True,
+        "temperature": 0, "stream": False})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    expected = {"ray_stepstream_requests_total": 1.0,
+                "ray_stepstream_prompt_tokens_total": float(usage["prompt_tokens"]),
+                "ray_stepstream_output_tokens_total": float(usage["completion_tokens"])}
+
+    def moved() -> dict[str, float]:
+        now = _scraped_totals(port)
+        return {name: now[name] - before[name] for name in TOKEN_SERIES}
+
+    assert wait_until(lambda: moved()["ray_stepstream_requests_total"] >= 1, timeout_s=60,
+                      interval_s=1)
+    assert moved() == expected
+
+
+def test_every_name_the_dashboard_queries_is_scraped(server):
+    """configs/grafana/stepstream.json's queries find series in a real scrape."""
+    import ray
+
+    from metrics_support import dashboard, dashboard_queries, names_in
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", headers=AUTH, json=body,
+                      timeout=60) as r:
+        assert r.status_code == 200 and "[DONE]" in "".join(r.iter_text())
+    wanted = names_in(dashboard_queries(dashboard()))
+
+    def missing() -> set[str]:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return wanted - {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines()}
+
+    assert wait_until(lambda: not missing(), timeout_s=60, interval_s=2), sorted(missing())
+
+
 def test_serve_routes_outside_the_key_reveal_only_the_route_table(server):
     """The front door answers these itself, before the app (RELIABILITY.md, 6)."""
     routes = httpx.get(server + "/-/routes")
