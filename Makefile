@@ -6,23 +6,53 @@ PYTHON ?= python3
 STAMP := $(VENV)/.installed
 # Flags for `make serve`, e.g. make serve SERVE_FLAGS="--port 8001 --num-scheduler-steps 4"
 SERVE_FLAGS ?=
+# `make serve-gpu MODEL=/path/to/checkpoint`: a local Hugging Face checkpoint
+MODEL ?=
+# Where torch comes from. It installs first and alone, so that nothing later pulls
+# another build: the CPU build from PyTorch's CPU index (on PyPI, torch for Linux is
+# the CUDA build, several GB); TORCH_INDEX= (empty) uses pip's configured index.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# `make install-gpu`: the CUDA build, from pip's configured index unless set (PyPI's
+# is built for CUDA 13); e.g. PyTorch's index for the CUDA your driver runs.
+TORCH_GPU_INDEX ?=
+# The torch pin of pyproject.toml (one place to change it), e.g. torch==2.13.0
+TORCH := $(shell sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
+GPU_STAMP := $(VENV)/.installed-gpu
 # Flags for `make bench` (the offline engine benchmark), e.g. make bench BENCH_FLAGS="--matrix --models tiny"
 BENCH_FLAGS ?=
 
-.PHONY: serve test install bench clean
+.PHONY: serve test install bench clean install-gpu serve-gpu
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# NOTE: the CPU wheel first, so nothing later resolves torch to a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# NOTE: torch's own dependencies come with the project's, from pip's index. A
+	# CUDA build already there (make install-gpu) satisfies the pin and stays.
+	$(PY) -m pip install -q --no-deps $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
+$(GPU_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# NOTE: a CPU build already there satisfies the pin too: replace it.
+	$(PY) -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null || { \
+	  $(PY) -m pip uninstall -q -y torch; \
+	  $(PY) -m pip install -q $(if $(TORCH_GPU_INDEX),--index-url $(TORCH_GPU_INDEX)) '$(TORCH)'; }
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(GPU_STAMP) $(STAMP)
+
+install-gpu: $(GPU_STAMP)
+
 serve: $(STAMP)
 	$(PY) -m cluster.serve_local $(SERVE_FLAGS)
+
+# One GPU, one command: the engine replica gets the GPU (its device is cuda).
+serve-gpu: $(GPU_STAMP)
+	@test -n "$(MODEL)" || { echo "usage: make serve-gpu MODEL=/path/to/checkpoint [SERVE_FLAGS=...]" >&2; exit 2; }
+	$(PY) -m cluster.serve_local --model '$(MODEL)' --engine-num-gpus 1 $(SERVE_FLAGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
