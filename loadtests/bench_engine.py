@@ -14,7 +14,9 @@ ignore_eos, 128-token prompts unless said):
   thread count (`--num-threads 1 2`), 200 streams;
 - `--prefix`: prefix caching on vs off: a shared 1,024-token prefix plus unique
   64-token suffixes at concurrency 1 and 16, and a replay of the ShareGPT sample's
-  multi-turn conversations (TTFT by turn).
+  multi-turn conversations (TTFT by turn);
+- `--wire`: the per-step wire's encode + decode cost, old lists vs msgspec bytes
+  (loadtests/wire_cost.py; no engine, no model).
 Configurations of a table are interleaved round by round (`--repeats`), medians.
 """
 from __future__ import annotations
@@ -30,12 +32,12 @@ from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_
                                      run_process_engine, sessions_of)
 from loadtests.metrics import format_table, median_rows, ratio
 
-MODES = ("matrix", "ceiling", "process", "prefix")
+MODES = ("matrix", "ceiling", "process", "prefix", "wire")
 # per mode: models, concurrency, output_len, repeats
 DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "matrix": (["tiny", "small"], [64, 256], 256, 1),
             "ceiling": (["tiny"], [200], 128, 1), "process": (["tiny"], [200], 128, 2),
-            "prefix": (["tiny"], [1, 16], 128, 3)}
+            "prefix": (["tiny"], [1, 16], 128, 3), "wire": ([], [], 0, 1)}
 TOK_S = ("output_throughput", "tok/s", ".0f")
 TTFT = ("median_ttft_ms", "TTFT p50 ms", ".1f")
 TPOT = [("median_tpot_ms", "TPOT p50 ms", ".2f"), ("p99_tpot_ms", "p99", ".2f")]
@@ -244,6 +246,10 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat-output-len", type=int, default=64, help="--prefix: cap on each reply")
     ap.add_argument("--chat-conversations", type=int, default=24,
                     help="--prefix: the first this many multi-turn conversations (0: all)")
+    ap.add_argument("--num-deltas", type=int, default=200, help="--wire: deltas per step message")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8],
+                    help="--wire: new tokens per delta, one table block each")
+    ap.add_argument("--samples", type=int, default=30, help="--wire: timed samples per format")
     return ap
 
 
@@ -257,6 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
     if mode == "ceiling":
         from loadtests.engine_ceiling import ceiling_run
         result = {"ceiling": [ceiling_run(m, c, args) for m in args.models for c in args.concurrency]}
+    elif mode == "wire":
+        from loadtests.wire_cost import report
+        result = report(args.num_deltas, args.tokens, args.samples)
     else:
         result = {"core": core_mode, "matrix": matrix_mode, "process": process_mode,
                   "prefix": prefix_mode}[mode](args)

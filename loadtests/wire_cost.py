@@ -15,7 +15,6 @@ Formats are interleaved sample by sample; medians over the samples are printed
 """
 from __future__ import annotations
 
-import argparse
 import pickle
 import statistics
 import time
@@ -100,20 +99,17 @@ def measure(num_deltas: int, num_tokens: int, num_samples: int = 30,
             for name, (enc_us, dec_us) in samples.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-deltas", type=int, default=200)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8],
-                        help="new tokens per delta, one table block each")
-    parser.add_argument("--samples", type=int, default=30)
-    args = parser.parse_args(argv)
+def report(num_deltas: int, tokens: list[int], num_samples: int) -> dict[str, dict]:
+    """Print one table block per token count; return its rows by message."""
     print(f"{'message':<18} {'format':<8} {'bytes':>7} {'encode us':>10} {'decode us':>10} "
           f"{'total us':>9} {'vs lists':>9}")
-    for num_tokens in args.tokens:
-        rows = measure(args.num_deltas, num_tokens, args.samples)
+    out = {}
+    for num_tokens in tokens:
+        rows = out[f"{num_deltas} x {num_tokens}"] = measure(num_deltas, num_tokens, num_samples)
         base = rows["lists"]["encode_us"] + rows["lists"]["decode_us"]
-        label = f"{args.num_deltas} x {num_tokens} token{'s' if num_tokens > 1 else ''}"
+        label = f"{num_deltas} x {num_tokens} token{'s' if num_tokens > 1 else ''}"
         for name, row in rows.items():
             total = row["encode_us"] + row["decode_us"]
             print(f"{label:<18} {name:<8} {row['bytes']:>7} {row['encode_us']:>10.1f} "
                   f"{row['decode_us']:>10.1f} {total:>9.1f} {total / base:>8.2f}x")
+    return out

@@ -1,8 +1,11 @@
-"""loadtests/wire_cost.py: every format round-trips a step message, and the table
-has a row per format and message size."""
+"""loadtests/wire_cost.py: every format round-trips a step message, and
+`bench_engine --wire` prints a row per format and message size."""
 from __future__ import annotations
 
-from loadtests.wire_cost import main, measure
+import json
+
+from loadtests import bench_engine
+from loadtests.wire_cost import measure
 
 
 def test_every_format_round_trips_and_is_timed():
@@ -12,8 +15,11 @@ def test_every_format_round_trips_and_is_timed():
                for row in rows.values())
 
 
-def test_main_prints_one_row_per_format_and_size(capsys):
-    main(["--num-deltas", "4", "--tokens", "1", "8", "--samples", "2"])
+def test_wire_mode_prints_one_row_per_format_and_size(capsys, tmp_path):
+    result = bench_engine.main(["--wire", "--num-deltas", "4", "--tokens", "1", "8", "--samples", "2",
+                                "--result-dir", str(tmp_path)])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 + 2 * 3
-    assert lines[1].startswith("4 x 1 token ") and lines[-1].startswith("4 x 8 tokens")
+    table = [line for line in lines if line.startswith("4 x ")]
+    assert len(table) == 2 * 3 and lines[0].startswith("message")
+    assert table[0].startswith("4 x 1 token ") and table[-1].startswith("4 x 8 tokens")
+    assert set(json.loads((tmp_path / "bench_engine_wire.json").read_text())) == set(result) == {"4 x 1", "4 x 8"}
