@@ -2,22 +2,41 @@
 vLLM benchmark_serving's flags (loadtests/serving_run.py);
 
     python -m loadtests.bench compare|http|routing [flags]   # loadtests/serving_matrix.py
-    python -m loadtests.bench sharegpt-sample [flags]          # loadtests/sharegpt_sample.py
+    python -m loadtests.bench sharegpt-sample [flags]          # rewrites the bundled sample
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
+from pathlib import Path
 
+from loadtests import datasets
 from loadtests.serving_run import BenchConfig, make_parser, run_benchmark  # noqa: F401 (library use)
 
 MATRIX_MODES = ("compare", "http", "routing")
 
 
+def make_sample_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench sharegpt-sample",
+                                     description="Write the synthetic ShareGPT-format sample.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-conversations", type=int, default=200)
+    parser.add_argument("--output", type=Path, default=datasets.DEFAULT_SHAREGPT_PATH)
+    return parser
+
+
+def write_sample(argv: list[str]) -> None:
+    args = make_sample_parser().parse_args(argv)
+    text = datasets.render(datasets.build_conversations(args.seed, args.num_conversations))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text, encoding="utf-8")
+    print(f"wrote {args.num_conversations} conversations, {len(text.encode())} bytes, to {args.output}")
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sharegpt-sample"]:
-        from loadtests.sharegpt_sample import main as write_sample
         return write_sample(argv[1:])
     if argv[:1] and argv[0] in MATRIX_MODES:
         from loadtests import serving_matrix

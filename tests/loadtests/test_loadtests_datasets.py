@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from loadtests import datasets
-from loadtests.sharegpt_sample import build_conversations, render
+from loadtests.datasets import build_conversations, render
 
 
 @pytest.fixture(scope="module")
