@@ -48,10 +48,10 @@ SNIPPETS = all_snippets()
 LIFECYCLE = ("venv", "make-serve", "serve-run", "deploy-up", "deploy-down", "cluster")
 EXPECTED_TAGS = {
     "README.md": {"venv", "make-serve", "serve-run", "deploy-up", "deploy-down", "cluster",
-                  "curl", "openai"},
+                  "curl", "openai", "locust", "bench"},
     # The commands are README.md's alone; cluster/README.md links to them.
     "cluster/README.md": {"openai"},
-    "loadtests/README.md": {"locust"},
+    "loadtests/README.md": set(),
 }
 READY_TIMEOUT_S = 300.0  # a cold Ray and the app on a busy 2-core machine
 
@@ -303,6 +303,19 @@ def test_locust_headless_command_writes_ttft_itl_tpot_rows(deployment, sandbox):
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
+def test_bench_command_prints_its_result_block(deployment):
+    deployment.require_up()
+    snip = _one("bench")
+    text = _sub(snip, snip.text, r"--port 8000\b", f"--port {deployment.port}")
+    text = _sub(snip, text, r"--num-prompts \d+", "--num-prompts 8")  # the shape, not the load
+    res = deployment.shell.run("bench", text, timeout_s=240)
+    assert res.ok, res.output[-4000:]
+    assert re.search(r"^Successful requests:\s+8$", res.output, re.M), res.output[-4000:]
+    assert "Failed requests" not in res.output, res.output[-4000:]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
 def test_deploy_down_stops_serve_and_ray(deployment):
     deployment.require_up()
     res = deployment.down()
@@ -338,6 +351,7 @@ def test_serve_run_serves_until_ctrl_c(sandbox):
 
 def _one_curl() -> Snippet:
     return distinct(SNIPPETS["curl"])[0]
+
 
 
 # --- way 1: make serve -----------------------------------------------------------

@@ -1,0 +1,70 @@
+"""The README's Quickstart and its list of request fields tell the truth.
+
+Every command block of the Quickstart is run as written by tests/docs/
+test_docs_commands.py (it carries a `docs-test` tag), except the one that needs a
+checkpoint of the reader's own. The fields table names exactly the fields the
+request models accept, so a field added to or refused by `cluster/openai_protocol.py`
+shows up here as a failure until the README says so.
+"""
+from __future__ import annotations
+
+import re
+
+from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from docs_support import REPO
+
+README = (REPO / "README.md").read_text()
+# Blocks a fresh clone cannot run: they name a checkpoint directory the reader has.
+NEEDS_A_CHECKPOINT = ("--model /models/", "MODEL=/models/")
+
+
+def _section(title: str) -> str:
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start:end if end != -1 else None]
+
+
+def test_quickstart_comes_first():
+    assert re.findall(r"^## (.+)$", README, re.M)[0] == "Quickstart"
+
+
+def test_every_quickstart_block_is_run_by_the_docs_tests():
+    lines = _section("Quickstart").splitlines()
+    untagged = []
+    for i, line in enumerate(lines):
+        if not line.startswith("```") or line.strip() == "```":
+            continue  # not an opening fence
+        tagged = i > 0 and lines[i - 1].startswith("<!-- docs-test:")
+        body = "\n".join(lines[i + 1:lines.index("```", i + 1)])
+        if not tagged and not any(marker in body for marker in NEEDS_A_CHECKPOINT):
+            untagged.append(body)
+    assert not untagged, f"Quickstart blocks no test runs: {untagged}"
+
+
+def test_quickstart_says_the_presets_have_random_weights():
+    assert "random weights" in _section("Quickstart")
+
+
+def _listed_fields() -> set[str]:
+    table = _section("What the API accepts")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "`" in line]
+    return {name for row in rows for name in re.findall(r"`([a-z_]+)`", row.split("|")[2])}
+
+
+def test_fields_table_names_every_accepted_field_and_nothing_else():
+    accepted = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    listed = _listed_fields() - {"include_usage", "continuous_usage_stats", "system",
+                                 "developer", "user", "assistant"}
+    # `user` is both a field and a role: it must be listed as a field.
+    assert "user" in accepted
+    assert listed | {"user"} == accepted, (
+        f"accepted but not listed: {sorted(accepted - listed - {'user'})}; "
+        f"listed but not accepted: {sorted(listed - accepted)}")
+
+
+def test_fields_said_to_be_refused_are_not_accepted():
+    refused = _section("What the API accepts").split("Refused with a 400:")[1]
+    names = set(re.findall(r"`([a-z_]+)`", refused.split("Errors,")[0]))
+    for name in names - {"n", "best_of", "logit_bias", "echo", "suffix"}:
+        assert name not in CompletionRequest.model_fields, name
+        assert name not in ChatCompletionRequest.model_fields, name
