@@ -105,7 +105,7 @@ def stats_dict(stats) -> dict:
     return stats if isinstance(stats, dict) else dataclasses.asdict(stats)
 
 
-async def _drain(stream) -> None:
+async def drain(stream) -> None:
     async for _ in stream:
         pass
 
@@ -117,7 +117,7 @@ def run_engine(config: EngineConfig, sessions: list[Session], concurrency: int |
 
     engine = AsyncEngine(config)
     try:
-        asyncio.run(_drain(engine.generate("warmup", sessions[0][0][0][:8], SamplingParams(max_tokens=4))))
+        asyncio.run(drain(engine.generate("warmup", sessions[0][0][0][:8], SamplingParams(max_tokens=4))))
         out = engine.core.output
         cpu0, tokens0 = out.cpu_time_s, out.num_output_tokens
         timelines, duration, _ = asyncio.run(stream_sessions(engine.generate, sessions, concurrency))
@@ -199,7 +199,7 @@ def run_process_engine(config_kwargs: dict, sessions: list[Session],
         loop.add_reader(step_recv.fileno(), on_message)
         try:
             # NOTE: warmed up as run_engine warms the thread engine, outside the timing
-            await _drain(open_stream("warmup", sessions[0][0][0][:8], SamplingParams(max_tokens=4)))
+            await drain(open_stream("warmup", sessions[0][0][0][:8], SamplingParams(max_tokens=4)))
             return await stream_sessions(open_stream, sessions, concurrency)
         finally:
             loop.remove_reader(step_recv.fileno())

@@ -26,9 +26,13 @@ import random
 import tempfile
 import time
 import traceback
+from unittest import mock
 
 import numpy as np
 import torch
+
+from loadtests.gpu_kernel_check import (Skipped, check_decode_kernel_accuracy, measure_decode_bandwidth,
+                                        require_cuda)
 
 SEED_H100_REFERENCE = {
     "source": "seed figures: vLLM, Llama-3.1-8B, one H100, 1000 ShareGPT prompts, streaming",
@@ -55,17 +59,8 @@ TOKENS_PER_WORD = 1.3  # the ShareGPT sample's lengths are in words; Llama-3 BPE
 PARTS = ("kernel_accuracy", "graph_decode", "decode_bandwidth", "end_to_end")
 
 
-class Skipped(Exception):
-    """The part cannot run here; its message is the reason."""
-
-
 def _log(message: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def _require_cuda() -> None:
-    if not torch.cuda.is_available():
-        raise Skipped("skipped: no CUDA")
 
 
 # -- the report ----------------------------------------------------------------------
@@ -130,21 +125,13 @@ def _environment() -> dict:
 
 # -- parts a and c: the kernel checks (loadtests/gpu_kernel_check.py) ----------------------
 def part_kernel_accuracy(budget_s: float) -> dict:
-    _require_cuda()
-    from loadtests.gpu_kernel_check import check_decode_kernel_accuracy
     rows = check_decode_kernel_accuracy()
     return {"all_ok": all(r["ok"] for r in rows), "rows": rows}
 
 
-def part_decode_bandwidth(budget_s: float) -> dict:
-    _require_cuda()
-    from loadtests.gpu_kernel_check import measure_decode_bandwidth
-    return measure_decode_bandwidth()
-
-
 # -- part b: graph-captured windows vs step-by-step eager decode --------------------------
 def part_graph_decode(budget_s: float) -> dict:
-    _require_cuda()
+    require_cuda()
     from replicas import Engine, EngineConfig, SamplingParams
     from replicas.random_checkpoint import write_random_checkpoint
     config = {"model_type": "llama", "vocab_size": 8192, "hidden_size": 256,
@@ -210,24 +197,6 @@ def build_random_model(model_dir: str, dtype: str, device: torch.device, max_pos
     return model.eval()
 
 
-@contextlib.contextmanager
-def random_weights(seed: int = 0):
-    """ModelRunner builds its model with build_random_model while inside."""
-    import replicas.model_runner as model_runner
-    original = model_runner.load_model
-    model_runner.load_model = functools.partial(build_random_model, seed=seed)
-    try:
-        yield
-    finally:
-        model_runner.load_model = original
-
-
-def write_model_config(model_dir: str, shape: dict) -> str:
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(shape, f, indent=1)
-    return model_dir
-
-
 def sharegpt_like_workload(num_requests: int, vocab_size: int, length_scale: float,
                            seed: int = 0) -> list[tuple[list[int], int]]:
     """(prompt ids, output length) pairs with the ShareGPT sample's lengths (vLLM's
@@ -246,7 +215,7 @@ def sharegpt_like_workload(num_requests: int, vocab_size: int, length_scale: flo
 
 def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tuple[dict, object]:
     """One engine, all requests at once; (JSON result, BenchmarkSummary)."""
-    from loadtests.engine_runner import greedy, stats_dict, stream_sessions
+    from loadtests.engine_runner import drain, greedy, stats_dict, stream_sessions
     from loadtests.metrics import summarize
     from replicas.async_engine import AsyncEngine
     start = time.monotonic()
@@ -255,7 +224,7 @@ def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tupl
         startup_s = time.monotonic() - start
 
         async def warm() -> None:  # compiles the prefill and decode kernels once
-            await asyncio.gather(*[_drain(engine.generate(f"warm{i}", p[:64], greedy(12)))
+            await asyncio.gather(*[drain(engine.generate(f"warm{i}", p[:64], greedy(12)))
                                    for i, (p, _) in enumerate(workload[:4])])
         asyncio.run(warm())
         runner = engine.core.runner
@@ -285,11 +254,6 @@ def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tupl
     return result, summary
 
 
-async def _drain(stream) -> None:
-    async for _ in stream:
-        pass
-
-
 def part_end_to_end(report: Report, quick: bool, num_requests: int | None, budget_s: float) -> dict:
     from loadtests.metrics import format_result_block
     from replicas import EngineConfig
@@ -306,8 +270,11 @@ def part_end_to_end(report: Report, quick: bool, num_requests: int | None, budge
                "total_prompt_tokens": sum(len(p) for p, _ in workload),
                "total_output_tokens_asked": sum(n for _, n in workload), "configs": {}}
     start = time.monotonic()
-    with tempfile.TemporaryDirectory() as model_dir, random_weights():
-        write_model_config(model_dir, shape)
+    # NOTE: ModelRunner builds its model with build_random_model while patched: no files.
+    with tempfile.TemporaryDirectory() as model_dir, mock.patch(
+            "replicas.model_runner.load_model", build_random_model):
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(shape, f, indent=1)
         for i, (name, overrides) in enumerate(E2E_CONFIGS):
             left = budget_s - (time.monotonic() - start)
             config_budget = left / (len(E2E_CONFIGS) - i)
@@ -369,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
     _log(f"device: {report.data['environment'].get('device', 'cpu (no CUDA)')}; "
          f"parts {args.parts}; writing {report.json_path}")
     fns = {"kernel_accuracy": part_kernel_accuracy, "graph_decode": part_graph_decode,
-           "decode_bandwidth": part_decode_bandwidth,
+           "decode_bandwidth": lambda budget_s: measure_decode_bandwidth(),
            "end_to_end": functools.partial(part_end_to_end, report, args.quick, args.num_requests)}
     for name in args.parts:
         # NOTE: the end-to-end part takes whatever time the kernel parts left over.

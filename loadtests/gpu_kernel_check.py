@@ -4,8 +4,8 @@ backend at real model shapes, and decode bandwidth against the H200's HBM.
     check_decode_kernel_accuracy() -> list[dict]   # one row per (shape, block, batch)
     measure_decode_bandwidth() -> dict             # KV bytes read / kernel time
 
-Both need CUDA and raise RuntimeError without it; the module imports anywhere
-(triton and the backends load inside the functions).
+Both need CUDA and raise `Skipped` without it; the module imports anywhere (triton
+and the backends load inside the functions).
 """
 from __future__ import annotations
 
@@ -21,9 +21,13 @@ BATCH_SIZES = [1, 5, 64]
 BF16_TOLERANCE = 2e-2  # bf16 inputs, fp32 reference: bf16 rounding of the output dominates
 
 
-def _require_cuda() -> torch.device:
+class Skipped(RuntimeError):
+    """A check cannot run here; its message is the reason."""
+
+
+def require_cuda() -> torch.device:
     if not torch.cuda.is_available():
-        raise RuntimeError("the GPU kernel check needs a CUDA device; none is available")
+        raise Skipped("skipped: no CUDA")
     return torch.device("cuda")
 
 
@@ -63,7 +67,7 @@ def accuracy_seq_lens(batch_size: int, block_size: int, seed: int = 0) -> list[i
 
 def check_decode_kernel_accuracy() -> list[dict]:
     """Triton decode (bf16) vs the torch backend (fp32 on the same bf16 values)."""
-    device = _require_cuda()
+    device = require_cuda()
     from replicas.attention.torch_backend import TorchAttentionBackend
     from replicas.attention.triton_backend import TritonAttentionBackend
 
@@ -106,7 +110,7 @@ def _time_ms(fn, num_iters: int) -> float:
 def measure_decode_bandwidth(num_iters: int = 20) -> dict:
     """One decode-attention layer at Llama-3-8B shape (bf16): KV bytes read per second,
     for the Triton backend and (for scale) the torch backend."""
-    device = _require_cuda()
+    device = require_cuda()
     from replicas.attention.torch_backend import TorchAttentionBackend
     from replicas.attention.triton_backend import TritonAttentionBackend
 
