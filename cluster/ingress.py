@@ -33,8 +33,8 @@ from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
 from cluster.channels import ChannelHub
 from cluster.errors import replica_error
 from cluster.relay import Relay
-from cluster.sse import SSE_HEADERS, ChatFormatter, CompletionFormatter
-from cluster.streaming import json_body, sse_events
+from cluster.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter
+from cluster.response_writer import json_body, sse_events
 from cluster.wire import EngineRequest
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 from replicas.request_validation import RequestLimits

@@ -7,7 +7,7 @@ refused. Value ranges of the sampling fields are not repeated here:
 own checks name the field, and the ingress turns the error into a 400. For fields
 whose name differs from the engine's (chat's `top_logprobs`,
 `max_completion_tokens`) the error names the field the client sent. Responses are
-built as plain dicts in `cluster/sse.py` (cheaper than models on the per-chunk
+built as plain dicts in `cluster/openai_events.py` (cheaper than models on the per-chunk
 path).
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ from replicas.request import Request, RequestStatus
 from replicas.request_validation import RequestLimits
 from replicas.sampler import probe_rows
 from replicas.scheduler import Scheduler, SchedulerOutput
-from replicas.step_output import StepOutput
+from replicas.sampled_step import StepOutput
 from replicas.step_isolation import (bisect, control_request, is_engine_fault,
                                      unfinished_seqs)
 

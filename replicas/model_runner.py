@@ -28,7 +28,7 @@ from replicas.request import Request
 from replicas.sampler import SamplingBatch, build_sampling_batch, sample_no_sync
 from replicas.scheduler import SchedulerOutput
 from replicas.step_advance import advance_decode_inputs_
-from replicas.step_output import StepOutput
+from replicas.sampled_step import StepOutput
 
 logger = logging.getLogger("stepstream")
 

@@ -16,7 +16,7 @@ from deltas.types import FinishReason
 from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_core import EngineCore
 from replicas.engine_stats import EngineStats
-from replicas.outputs import CollectingSink, RequestOutput
+from replicas.offline_outputs import CollectingSink, RequestOutput
 
 
 class Engine:

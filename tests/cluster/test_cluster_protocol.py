@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from cluster.errors import ApiError, ReplicaOverloaded, replica_cause, sse_error_event
 from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                      validation_error_message)
-from cluster.sse import DONE_EVENT, ChatFormatter, CompletionFormatter, completion_logprobs
+from cluster.openai_events import DONE_EVENT, ChatFormatter, CompletionFormatter, completion_logprobs
 from deltas.types import FinishReason, TokenDelta
 
 

@@ -13,7 +13,7 @@ from typing import AsyncIterator, Callable
 
 from cluster.errors import ApiError, sse_error_event
 from cluster.relay import Relay, aclosing, is_error
-from cluster.sse import DONE_EVENT, chat_logprobs, completion_logprobs
+from cluster.openai_events import DONE_EVENT, chat_logprobs, completion_logprobs
 from deltas.types import TextDelta
 
 logger = logging.getLogger("ray.serve")
