@@ -1,18 +1,11 @@
 """How far the engine runs below the model's own forward pass, and where the rest goes:
-`python -m loadtests.bench_engine --ceiling` (see its --help).
+`python -m loadtests.bench_engine --ceiling` (loadtests/README.md).
 
-In one run, on one workload (num_seqs prompts of input_len tokens, output_len
-tokens each, greedy, ignore_eos):
-- **ceiling**: the raw forward of our model over the same work (the prompts'
-  prefill in chunks of max_num_batched_tokens, then one decode step per output
-  token at the full batch and the same context lengths), inputs built beforehand,
-  no scheduler, no sampler, no output;
-- **engine**: the full AsyncEngine (N=8, async output, per-step release) with one
-  consumer task per request (loadtests/engine_runner.py);
-- **baseline** (optional): the engine of another git revision, run by this
-  revision's harness in a subprocess, interleaved with ours round by round;
-- **breakdown**: one offline engine run under torch.profiler, its step split into
-  phases; the trace is saved for chrome://tracing or Perfetto.
+On one workload: the **ceiling** (the raw forward of our model over the same work,
+inputs built beforehand: no scheduler, sampler or output), the **engine** (the full
+AsyncEngine through loadtests/engine_runner.py), optionally the **baseline** (the
+engine of another git revision under this revision's harness, interleaved), and the
+**breakdown** (one engine run under torch.profiler, its step split into phases).
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """A fake OpenAI-compatible server that streams known chunks: tests and dry runs.
 
-Takes every flag of `cluster.serve_local`, parsed by the launcher's own parser with
-its defaults (the fake acts on --host, --port, --served-model-name/--model,
---num-scheduler-steps and --release-per-window), so `loadtests.bench compare
---launcher loadtests.fake_server` exercises the whole matrix without Ray. Each
-request answers `max_tokens` tokens (" t0 t1 ..."), one decode step every
-`--step-ms`; per-step release sends one token a chunk, per-window release sends
-N tokens a chunk every N steps. Usage counts prompt words and answered tokens.
-Every `--fail-every`-th request fails as `--failure` says (http500, cut: the
-stream ends without [DONE], error_event).
-
-    python -m loadtests.fake_server --port 8000 --num-scheduler-steps 8
+Takes every flag of `cluster.serve_local`, read by the launcher's own parser, so
+`loadtests.bench compare --launcher loadtests.fake_server` runs the whole matrix
+without Ray; what it does with them is in loadtests/README.md ("Dry runs").
 """
 from __future__ import annotations
 

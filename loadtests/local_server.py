@@ -26,6 +26,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base_url: str, timeout_s: float, check_alive=lambda: None) -> None:
+    """Polls GET /health until it answers 200; `check_alive()` raises when the server died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check_alive()
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass  # not listening yet, or not ready (non-200 raises HTTPError)
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url} not healthy after {timeout_s:g}s")
+
+
 def _stop_all_at_exit() -> None:
     for server in list(LIVE):
         server.stop()
@@ -68,27 +83,16 @@ class LocalServer:
                                         env=self.env)
         LIVE.add(self)
         try:
-            self._wait_healthy()
+            wait_healthy(self.base_url, self.startup_timeout_s, self._check_alive)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        url = f"{self.base_url}/health"
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.process.returncode} before ready "
-                                   f"({' '.join(self.command)}; log: {self.log_path})")
-            try:
-                with urllib.request.urlopen(url, timeout=2.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass  # not listening yet, or not ready (non-200 raises HTTPError)
-            time.sleep(0.5)
-        raise TimeoutError(f"server not healthy after {self.startup_timeout_s:g}s: {' '.join(self.command)}")
+    def _check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"server exited with code {self.process.returncode} before ready "
+                               f"({' '.join(self.command)}; log: {self.log_path})")
 
     def _signal_group(self, sig: int) -> None:
         try:

@@ -1,22 +1,9 @@
-"""Locust load test for any OpenAI-compatible server, streaming over SSE.
+"""Locust load test for any OpenAI-compatible server, streaming over SSE
+(loadtests/README.md: its flags, rows and the staged shape).
 
-    locust -f loadtests/locustfile.py --headless -u 32 -r 8 --run-time 2m \\
-        --host http://127.0.0.1:8000 --model tiny --csv results/run
-
-Each request streams a completion (or a chat completion, --chat-ratio) and records,
-besides the request itself (timed to the end of the stream, not to the headers):
-  TTFT  one per request: first content chunk - send
-  ITL   one per gap between consecutive content chunks
-  TPOT  one per request with >= 2 tokens: (latency - TTFT) / (output tokens - 1)
-(loadtests/metrics.py) as rows of their own type, so locust's stats and CSVs show
-their percentiles. They are logged straight into their rows, not fired as requests:
-the Aggregated row and its req/s count real requests only. Non-2xx answers and
-streams without [DONE] fail with the reason.
-
-`--shape staged` (or LOCUST_SHAPE=staged) ramps to --peak-users over --ramp-time,
-holds for --hold-time and stops by itself; -u/-r/--run-time are then ignored.
-`--soak-out FILE` (loadtests/soak.py) writes per-minute request and failure counts
-and exact TTFT and ITL percentiles (not locust's rounded ones) to FILE at the end.
+Besides each request (timed to the end of the stream, not to the headers) it logs
+TTFT, ITL and TPOT (loadtests/metrics.py) into rows of their own type, not as
+request events, so the Aggregated row and its req/s count real requests only.
 """
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
 """The HTTP matrix: the serving benchmark against several servers side by side in one
-run, one table. `python -m loadtests.bench PRESET [flags]`, the presets:
+run, one table. `python -m loadtests.bench compare|http|routing [flags]`.
 
-- `compare`: multi-step release through HTTP: one local app per row (N1, N8-window,
-  N8-step, non-stream), ratios against `--baseline`; compare.json and compare.png.
-- `http`: the offline engine (no HTTP) beside the app once per `--variant` (default:
-  make serve's defaults, and Serve's Python proxy as the front door), at every
-  `--temperatures` value, plus concurrency 1 (the TTFT HTTP adds), with the CPU per
-  output token of the server's processes by role; bench_http.json.
-- `routing`: Serve's power of two choices vs prefix-aware routing over two engine
-  replicas of an app on a local Ray in this process (the replicas' own prefix-cache
-  counters), the `prefix` dataset; bench_routing.json.
-
-Every preset takes the serving benchmark's flags (the workload; each preset has its
-own defaults) plus `--repeats` (interleaved rounds, medians), `--launcher`,
-`--startup-timeout` and `--max-num-seqs` (passed to every launched server). Servers
-start with `python -m cluster.serve_local` (loadtests/local_server.py) in their own
-process group and are stopped whatever happens. The machine is shared: quote ratios.
+The presets, their rows and defaults are in loadtests/README.md. Each launched server
+is a LocalServer (its own process group, stopped whatever happens); `routing` runs
+its app on a local Ray in this process. The machine is shared: quote ratios.
 """
 from __future__ import annotations
 
@@ -26,13 +14,12 @@ import json
 import os
 import shlex
 import signal
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from loadtests.serving_run import BenchConfig, make_parser, run_benchmark
-from loadtests.local_server import LocalServer, free_port
+from loadtests.local_server import LocalServer, free_port, wait_healthy
 from loadtests.metrics import format_table, median_rows, ratio
 from loadtests.process_cpu import ROLES
 
@@ -76,7 +63,6 @@ def _offline(args, row: Row) -> dict:
 @contextlib.contextmanager
 def _app_in_process(app_args: dict):
     """The app on a Ray of this process: (base URL, None, every engine replica's stats)."""
-    import httpx
     import ray
     from ray import serve
 
@@ -90,12 +76,7 @@ def _app_in_process(app_args: dict):
         serve.run(make_app(AppArgs.model_validate(app_args)), name=APP_NAME, route_prefix="/",
                   blocking=False)
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
+        wait_healthy(base, 300)
 
         def stats() -> list[dict]:
             handle = serve.get_deployment_handle("EngineReplica", app_name=APP_NAME)

@@ -1,18 +1,8 @@
 """A bounded soak: steady locust load for --minutes on loopback, then a verdict.
 
-    python -m loadtests.soak                       # 10 minutes, starts the local app
-    python -m loadtests.soak --minutes 2 --users 16
-    python -m loadtests.soak --host http://127.0.0.1:8000 --session-dir /tmp/ray/session_...
-
-Starts `python -m cluster.serve_local` (loadtests/local_server.py) unless --host is
-given, runs locust headless (loadtests/locustfile.py with its per-minute recorder,
-`--soak-out`) with a fixed number of users for --minutes, and stops by itself.
-Meanwhile it samples, every --sample-s, the resident memory (RSS) of the app's
-processes by role (engine replicas, ingresses, front door: loadtests/process_cpu.py)
-and the engines' KV cache
-usage (the `stepstream_kv_cache_usage` gauge on the Ray node's metrics port). It
-prints the error rate, p99 TTFT and ITL, and RSS and KV usage in the first and the
-last minute; --json writes it all. Loopback only: a --host elsewhere is refused.
+It starts the local app (loadtests/local_server.py) unless --host names one, runs the
+locust file headless with `--soak-out`, samples the app's RSS by role and the engines'
+KV cache usage meanwhile, and prints the first and the last minute (loadtests/README.md).
 Exit code 1 when any request failed.
 """
 from __future__ import annotations
