@@ -107,15 +107,3 @@ def engine_states(app: str = "stepstream") -> dict[str, int]:
             if v}
 
 
-def pinned_stats(handle, replica_ids=None, timeout_s: float = 10.0) -> dict[str, dict]:
-    """The stats of each engine replica (all live ones by default), each asked
-    directly. NOTE: a replica still starting, stopping or on a lost node does not
-    answer a pinned call; it is left out after `timeout_s` (callers poll)."""
-    out = {}
-    for rid in replica_ids if replica_ids is not None else replica_nodes("EngineReplica"):
-        response = handle.stats.remote(pin_replica_id=rid)
-        try:
-            out[rid] = response.result(timeout_s=timeout_s)
-        except TimeoutError:
-            response.cancel()
-    return out

@@ -91,6 +91,26 @@ def engine_replica_ids(app: str = "stepstream") -> list[str]:
                   if a.get("namespace") == "serve" and a["name"].startswith(prefix))
 
 
+
+def pinned_stats(handle, replica_ids=None, timeout_s: float = 30.0) -> dict[str, dict]:
+    """The stats of each engine replica (every live one by default), each asked
+    directly (pinned).
+
+    NOTE: a replica's actor is named before Serve routes to it (its constructor is
+    still loading the model), and a killed one (or one on a lost node) may still be
+    listed for a moment: a pinned call to either waits. Such a call is cancelled
+    after `timeout_s`, and the replica left out, so callers polling with wait_until
+    simply ask again.
+    """
+    out = {}
+    for rid in engine_replica_ids() if replica_ids is None else replica_ids:
+        response = handle.stats.remote(pin_replica_id=rid)
+        try:
+            out[rid] = response.result(timeout_s=timeout_s)
+        except TimeoutError:
+            response.cancel()
+    return out
+
 def engine_stats(handle, num_replicas: int = 1, max_calls: int = 60) -> dict[str, dict]:
     """The latest stats of every engine replica (a call lands on a random one)."""
     seen: dict[str, dict] = {}

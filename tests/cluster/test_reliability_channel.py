@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from cluster_support import engine_handle, serve_app, wait_until
-from reliability_support import (engine_replica_ids, is_idle, is_openai_error,
+from reliability_support import (engine_replica_ids, pinned_stats, is_idle, is_openai_error,
                                  replica_actor_name, stream_request)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -46,26 +46,8 @@ def _fault_both(handle, kind: str, step_delay_s: float = 0.05) -> None:
         handle.inject_fault.remote(kind, step_delay_s, pin_replica_id=rid).result(timeout_s=30)
 
 
-def _stats(handle, timeout_s: float = 30) -> dict[str, dict]:
-    """The stats of every engine replica that answers, each asked directly (pinned).
-
-    NOTE: a replica's actor is named before Serve routes to it (its constructor is
-    still loading the model), and a killed one may still be listed for a moment: a
-    pinned call to either waits. Such a call is cancelled after `timeout_s`, and
-    the replica left out, so callers polling with wait_until simply ask again.
-    """
-    out = {}
-    for rid in engine_replica_ids():
-        response = handle.stats.remote(pin_replica_id=rid)
-        try:
-            out[rid] = response.result(timeout_s=timeout_s)
-        except TimeoutError:
-            response.cancel()
-    return out
-
-
 def _running(handle) -> dict[str, int]:
-    return {rid: s["num_running"] for rid, s in _stats(handle).items()}
+    return {rid: s["num_running"] for rid, s in pinned_stats(handle).items()}
 
 
 def test_a_killed_engine_replica_fails_only_its_own_streams(server):
@@ -101,7 +83,7 @@ def test_a_killed_engine_replica_fails_only_its_own_streams(server):
             assert r.finish_reason == "length" and not r.error_events
     assert len(failed) == num_on_victim, (len(failed), num_on_victim)
     # Serve replaces the killed replica: wait for two healthy engines again.
-    assert wait_until(lambda: len(engine_replica_ids()) == 2 and len(_stats(handle, 5)) == 2, 120)
+    assert wait_until(lambda: len(engine_replica_ids()) == 2 and len(pinned_stats(handle, 5)) == 2, 120)
     print(f"\nengine replica killed: {len(failed)} of {num_streams} streams (exactly those it "
           "held) ended with an error event; the others finished")
 
@@ -117,7 +99,7 @@ def _crash_the_ingress() -> None:
 
 
 def _counts(handle, keys) -> dict[str, int]:
-    stats = _stats(handle).values()
+    stats = pinned_stats(handle).values()
     return {k: sum(s[k] for s in stats) for k in keys}
 
 
@@ -148,7 +130,7 @@ def test_a_killed_ingress_leaves_no_request_running(server):
     try:
         killed_at = asyncio.run(run())
         # They would run for 60 s more: idle within 15 s means aborted.
-        assert wait_until(lambda: all(is_idle(s) for s in _stats(handle).values()), 15)
+        assert wait_until(lambda: all(is_idle(s) for s in pinned_stats(handle).values()), 15)
         aborted_s = time.monotonic() - killed_at
         after = _counts(handle, ENDINGS)
     finally:
