@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 from deltas.types import FinishReason, TokenDelta
+from loadtests.metrics import format_table
 
 _FINISH = {r.value: r for r in FinishReason}
 
@@ -100,16 +101,16 @@ def measure(num_deltas: int, num_tokens: int, num_samples: int = 30,
 
 
 def report(num_deltas: int, tokens: list[int], num_samples: int) -> dict[str, dict]:
-    """Print one table block per token count; return its rows by message."""
-    print(f"{'message':<18} {'format':<8} {'bytes':>7} {'encode us':>10} {'decode us':>10} "
-          f"{'total us':>9} {'vs lists':>9}")
-    out = {}
+    """Print one table, a row per message size and format; return the rows by message."""
+    out, shown = {}, {}
     for num_tokens in tokens:
         rows = out[f"{num_deltas} x {num_tokens}"] = measure(num_deltas, num_tokens, num_samples)
         base = rows["lists"]["encode_us"] + rows["lists"]["decode_us"]
         label = f"{num_deltas} x {num_tokens} token{'s' if num_tokens > 1 else ''}"
         for name, row in rows.items():
             total = row["encode_us"] + row["decode_us"]
-            print(f"{label:<18} {name:<8} {row['bytes']:>7} {row['encode_us']:>10.1f} "
-                  f"{row['decode_us']:>10.1f} {total:>9.1f} {total / base:>8.2f}x")
+            shown[f"{label}, {name}"] = {**row, "total_us": total, "vs_lists": total / base}
+    print(format_table(shown, [("bytes", "bytes", "d"), ("encode_us", "encode us", ".1f"),
+                               ("decode_us", "decode us", ".1f"), ("total_us", "total us", ".1f"),
+                               ("vs_lists", "vs lists", ".2f")], name_header="message, format"))
     return out

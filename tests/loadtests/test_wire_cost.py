@@ -19,7 +19,7 @@ def test_wire_mode_prints_one_row_per_format_and_size(capsys, tmp_path):
     result = bench_engine.main(["--wire", "--num-deltas", "4", "--tokens", "1", "8", "--samples", "2",
                                 "--result-dir", str(tmp_path)])
     lines = capsys.readouterr().out.splitlines()
-    table = [line for line in lines if line.startswith("4 x ")]
-    assert len(table) == 2 * 3 and lines[0].startswith("message")
-    assert table[0].startswith("4 x 1 token ") and table[-1].startswith("4 x 8 tokens")
+    table = [line for line in lines if line.startswith("| 4 x ")]
+    assert len(table) == 2 * 3 and lines[0].startswith("| message, format")
+    assert table[0].startswith("| 4 x 1 token, lists") and table[-1].startswith("| 4 x 8 tokens, msgspec")
     assert set(json.loads((tmp_path / "bench_engine_wire.json").read_text())) == set(result) == {"4 x 1", "4 x 8"}
