@@ -7,7 +7,7 @@ twice.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deltas.types import OutputKind
 

@@ -25,7 +25,7 @@ from replicas.models.loader import load_model
 from replicas.models.model_config import ModelConfig
 from replicas.models.packed_linear import pack_linears
 from replicas.request import Request
-from replicas.sampler import SamplingBatch, build_sampling_batch, sample_no_sync
+from replicas.sampler import build_sampling_batch, sample_no_sync
 from replicas.scheduler import SchedulerOutput
 from replicas.step_advance import advance_decode_inputs_
 from replicas.sampled_step import StepOutput

@@ -108,7 +108,6 @@ class Scheduler:
     # -- decode window -------------------------------------------------------
     def _schedule_decode_window(self, out: SchedulerOutput) -> None:
         num_steps = self.config.num_scheduler_steps
-        bm = self.block_manager
         # NOTE: iterate over a copy: reserving may preempt requests from the back.
         for req in list(self.running):
             if req.status == RequestStatus.RUNNING:
