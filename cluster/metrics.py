@@ -5,10 +5,10 @@ are declared `stepstream_*`; Ray's exporter adds `ray_` and Prometheus' suffixes
 (`_total` for counters, `_bucket`/`_sum`/`_count` for histograms), so a scrape
 shows `ray_stepstream_output_tokens_total` (docs/operations.md lists them all).
 
-NOTE: a Ray metric record costs tens of microseconds (more than formatting an
-SSE event), so the hot path records one value per event (the ITL) and everything
-else once per request (tokens per event is a per-request mean) or once per
-second (replica counters, from the stats thread).
+NOTE: a Ray metric record costs more than formatting an SSE event, so the hot
+path records one value per event (the ITL) and everything else once per request
+(tokens per event is a per-request mean) or once per second (replica counters,
+from the stats thread).
 """
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ def _plan_decoder(spec: dict[str, Any] | None) -> _DecoderPlan:
 
 
 class TokenByteTable:
-    """Bytes of each token id, built once per tokenizer (about 0.5 s at 150k ids).
+    """Bytes of each token id, built once per tokenizer (a pass over the whole vocabulary).
 
     NOTE: ids with no token (out of range, holes) and, when skipping, special
     tokens decode to nothing; `skipped_ids` tells them apart from empty tokens,

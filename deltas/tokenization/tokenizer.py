@@ -101,8 +101,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """NOTE: a long text goes through `encode_batch`, which releases the GIL while
-        it works (`encode` holds it: 0.6 s for 1.5M tokens, during which a caller's
-        other threads, an event loop among them, cannot run)."""
+        it works (`encode` holds it for the whole text, during which a caller's other
+        threads, an event loop among them, cannot run)."""
         if len(text) > _RELEASE_GIL_CHARS:
             ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         else:
