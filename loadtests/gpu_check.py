@@ -297,19 +297,16 @@ def part_end_to_end(report: Report, quick: bool, num_requests: int | None, budge
 
 
 def _compare(configs: dict, quick: bool) -> dict:
-    def get(name, key):
-        return configs.get(name, {}).get("summary", {}).get(key)
-    step, window, single = (n for n, _ in E2E_CONFIGS)
-    out = {}
-    for name in (step, window, single):
-        out[name] = {k: get(name, k) for k in ("output_throughput", "median_tpot_ms", "median_itl_ms")}
-    if get(step, "median_tpot_ms") and get(window, "median_tpot_ms"):
-        out["step_vs_window_tpot_cost"] = get(step, "median_tpot_ms") / get(window, "median_tpot_ms") - 1
-        out["window_vs_step_median_itl_ratio"] = get(window, "median_itl_ms") / get(step, "median_itl_ms")
-    if get(step, "output_throughput") and get(single, "output_throughput"):
-        out["n8_step_vs_n1_throughput"] = get(step, "output_throughput") / get(single, "output_throughput")
-    if get(step, "output_throughput") and not quick:
-        out["n8_step_vs_seed_h100_throughput"] = (get(step, "output_throughput")
+    keys = ("output_throughput", "median_tpot_ms", "median_itl_ms")
+    out = {name: {k: configs.get(name, {}).get("summary", {}).get(k) for k in keys} for name, _ in E2E_CONFIGS}
+    step, window, single = out.values()
+    if step["median_tpot_ms"] and window["median_tpot_ms"]:
+        out["step_vs_window_tpot_cost"] = step["median_tpot_ms"] / window["median_tpot_ms"] - 1
+        out["window_vs_step_median_itl_ratio"] = window["median_itl_ms"] / step["median_itl_ms"]
+    if step["output_throughput"] and single["output_throughput"]:
+        out["n8_step_vs_n1_throughput"] = step["output_throughput"] / single["output_throughput"]
+    if step["output_throughput"] and not quick:
+        out["n8_step_vs_seed_h100_throughput"] = (step["output_throughput"]
                                                   / SEED_H100_REFERENCE["output_tokens_per_s"])
     return out
 
