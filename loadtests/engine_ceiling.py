@@ -221,20 +221,24 @@ def profile_breakdown(model: str, num_seqs: int, input_len: int, output_len: int
 
 
 def print_report(result: dict) -> None:
-    c, e = result["ceiling"], result["engine"]
-    w = result["workload"]
-    print(f"\n{w['model']}, {w['num_seqs']} streams, {w['input_len']} in / {w['output_len']} out "
-          f"({c['backend']} attention, {c['dtype']})")
-    print(f"  ceiling (raw forward):  {c['output_throughput']:8.0f} tok/s "
-          f"(prefill {c['prefill_s']:.2f} s, decode {c['decode_s']:.2f} s; decode alone "
-          f"{c['decode_only_tokens_per_s']:.0f} tok/s)")
+    """The ceiling (when measured), the engine (at --current-ref when given), the
+    baseline and the step breakdown."""
+    c, e, w = result.get("ceiling"), result["engine"], result["workload"]
+    print(f"\n{w['model']}, {w['num_seqs']} streams, {w['input_len']} in / {w['output_len']} out"
+          + (f" ({c['backend']} attention, {c['dtype']})" if c else ""))
     cur = e["current"]
-    print(f"  engine:                 {cur['output_throughput']:8.0f} tok/s "
-          f"= {cur['output_throughput'] / c['output_throughput']:.0%} of the ceiling, "
-          f"{cur['output_throughput'] / c['decode_only_tokens_per_s']:.0%} of decode alone")
+    rounds = f"(rounds {[round(x) for x in cur['rounds_output_throughput']]})"
+    if c:
+        print(f"  ceiling (raw forward):  {c['output_throughput']:8.0f} tok/s "
+              f"(prefill {c['prefill_s']:.2f} s, decode {c['decode_s']:.2f} s; decode alone "
+              f"{c['decode_only_tokens_per_s']:.0f} tok/s)")
+        rounds = (f"= {cur['output_throughput'] / c['output_throughput']:.0%} of the ceiling, "
+                  f"{cur['output_throughput'] / c['decode_only_tokens_per_s']:.0%} of decode alone")
+    engine = f"engine at {result['current_ref']}:" if result.get("current_ref") else "engine:"
+    print(f"  {engine:<23} {cur['output_throughput']:8.0f} tok/s {rounds}")
     if "baseline" in e:
         base = e["baseline"]
-        print(f"  engine at {result['baseline_ref']}: {base['output_throughput']:8.0f} tok/s "
+        print(f"  {'engine at ' + result['baseline_ref'] + ':':<23} {base['output_throughput']:8.0f} tok/s "
               f"-> {cur['output_throughput'] / base['output_throughput']:.2f}x now "
               f"(rounds: now {[round(x) for x in cur['rounds_output_throughput']]}, "
               f"then {[round(x) for x in base['rounds_output_throughput']]})")
@@ -266,12 +270,8 @@ def ceiling_run(model: str, num_seqs: int, args) -> dict:
               "baseline_ref": args.baseline_ref}
     result["engine"] = compare_with_baseline(workload, args.baseline_ref, args.repeats, args.current_ref)
     if args.current_ref:  # two revisions' engines only: the rest measures the working tree
-        cur, base = result["engine"]["current"], result["engine"].get("baseline")
-        print(f"\n{model}, {num_seqs} streams: engine at {args.current_ref} "
-              f"{cur['output_throughput']:.0f} tok/s (rounds {[round(x) for x in cur['rounds_output_throughput']]})"
-              + (f", at {args.baseline_ref} {base['output_throughput']:.0f} tok/s (rounds "
-                 f"{[round(x) for x in base['rounds_output_throughput']]}): "
-                 f"{cur['output_throughput'] / base['output_throughput']:.2f}x" if base else ""))
+        result["current_ref"] = args.current_ref
+        print_report(result)
         return result
     result["ceiling"] = raw_forward(engine_config(model), *workload[1:])
     trace = os.path.join(args.result_dir, f"engine_trace_{model}_{num_seqs}.json")
