@@ -73,13 +73,6 @@ def failed_record(index: int, request: SampleRequest, send_time: float, error: s
     return RequestRecord(index, request, timeline)
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, parser: StreamParser) -> None:
-    # NOTE: StreamReader iteration yields whole lines as they arrive; the time of
-    # a chunk is the time its line was read, as in vLLM's client.
-    async for line in resp.content:
-        parser.feed(line, time.perf_counter())
-
-
 async def send_request(session: aiohttp.ClientSession, spec: RequestSpec,
                        index: int, request: SampleRequest) -> RequestRecord:
     payload = build_payload(spec.endpoint, spec.model, request.prompt, request.expected_output_len,
@@ -96,7 +89,10 @@ async def send_request(session: aiohttp.ClientSession, spec: RequestSpec,
                 body = await resp.text()
                 error = f"HTTP {resp.status}: {body[:200]}"
             elif spec.stream:
-                await _read_stream(resp, parser)
+                # NOTE: StreamReader iteration yields whole lines as they arrive; the time
+                # of a chunk is the time its line was read, as in vLLM's client.
+                async for line in resp.content:
+                    parser.feed(line, time.perf_counter())
                 error = parser.failure_reason(resp.status)
             else:
                 body = await resp.json(content_type=None)

@@ -186,11 +186,6 @@ async def _run_all(session, spec: RequestSpec, cfg: BenchConfig,
     return records, start, duration
 
 
-def _headers(cfg: BenchConfig) -> dict:
-    key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def _result_path(cfg: BenchConfig, stamp: str, suffix: str) -> Path:
     name = cfg.result_filename
     if not name:
@@ -204,9 +199,11 @@ async def run_benchmark(args_or_config) -> dict:
     cfg = BenchConfig.from_any(args_or_config)
     tokenizer = _resolve_tokenizer(cfg)
     requests = load_requests(cfg, tokenizer)
+    key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     spec = RequestSpec(api_url=cfg.api_url, endpoint=cfg.endpoint, model=cfg.model,
                        stream=not cfg.disable_stream, ignore_eos=cfg.ignore_eos,
-                       temperature=cfg.temperature, timeout_s=cfg.timeout, headers=_headers(cfg))
+                       temperature=cfg.temperature, timeout_s=cfg.timeout, headers=headers)
     connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, read_bufsize=2**20, trust_env=False) as session:
         if cfg.ready_check_timeout_sec > 0:
