@@ -1,11 +1,6 @@
-"""CPU seconds by server process over a benchmark run, read from /proc (Linux only;
-elsewhere `available` is False and the table is empty).
-
-`ProcessCpu(root_pid)` snapshots the CPU time (user + system, threads included) of
-`root_pid`, every process below it and this one; `.take()` after the run gives the
-seconds each role spent in between (roles from the titles Ray gives its workers:
-front door, ingress, engine, ray for the rest, client for this process; the table is
-in loadtests/README.md). Divided by the output tokens: where the CPU goes per token.
+"""CPU seconds by server process role over a benchmark run, read from /proc (Linux
+only; elsewhere `available` is False and the table is empty). The roles and what
+`bench --server-pid` prints: loadtests/README.md ("Where the CPU goes").
 """
 from __future__ import annotations
 
