@@ -82,6 +82,11 @@ def _lengths(rng: np.random.RandomState, target: int, range_ratio: float, n: int
     return rng.randint(low, high + 1, size=n)
 
 
+def _word_text(rng: np.random.RandomState, num_words: int) -> str:
+    """Words drawn from a fixed list: prompts without a tokenizer, lengths in words."""
+    return " ".join(_FALLBACK_WORDS[j] for j in rng.randint(0, len(_FALLBACK_WORDS), size=num_words))
+
+
 def _usable_ids(tokenizer: TokenizerLike) -> list[int]:
     """Ids that survive decode -> encode alone: no special tokens, no partial UTF-8."""
     vocab_size = getattr(tokenizer, "vocab_size", None) or 256
@@ -119,12 +124,8 @@ def sample_random_requests(num_prompts: int, input_len: int, output_len: int,
     output_lens = _lengths(rng, output_len, range_ratio, num_prompts)
     requests = []
     if tokenizer is None:
-        words = _FALLBACK_WORDS
-        for i in range(num_prompts):
-            picks = rng.randint(0, len(words), size=int(input_lens[i]))
-            prompt = " ".join(words[j] for j in picks)
-            requests.append(SampleRequest(prompt, int(input_lens[i]), int(output_lens[i])))
-        return requests
+        return [SampleRequest(_word_text(rng, int(n)), int(n), int(out))
+                for n, out in zip(input_lens, output_lens)]
     usable = np.asarray(_usable_ids(tokenizer))
     for i in range(num_prompts):
         n = int(input_lens[i])
@@ -190,10 +191,8 @@ def sample_prefix_requests(num_prompts: int, prefix_len: int, suffix_len: int, o
         raise ValueError("num_prefixes and suffix_len must be >= 1, prefix_len >= 0")
     rng = np.random.RandomState(seed)
     if tokenizer is None:
-        words = _FALLBACK_WORDS
-        text = lambda n: " ".join(words[j] for j in rng.randint(0, len(words), size=n))  # noqa: E731
-        prefixes = [text(prefix_len) for _ in range(num_prefixes)]
-        return [SampleRequest(f"{prefixes[i % num_prefixes]}\n{text(suffix_len)}",
+        prefixes = [_word_text(rng, prefix_len) for _ in range(num_prefixes)]
+        return [SampleRequest(f"{prefixes[i % num_prefixes]}\n{_word_text(rng, suffix_len)}",
                               prefix_len + suffix_len, output_len) for i in range(num_prompts)]
     usable = np.asarray(_usable_ids(tokenizer))
     draw = lambda n: usable[rng.randint(0, len(usable), size=n)].tolist()  # noqa: E731
