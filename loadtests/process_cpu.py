@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from cluster.process_table import cmdline, descendants, read_process_table
+from cluster.process_table import ProcessInfo, cmdline, descendants, read_process_table
 
 ROLES = ("front door", "ingress", "engine", "ray", "client")
 
@@ -23,16 +23,24 @@ def role_of(cmdline: str, comm: str) -> str:
     return "ray"
 
 
-def _descendants(root_pid: int) -> dict[tuple[int, int], tuple[str, float]]:
-    """(pid, start time) -> (role, CPU seconds) for root_pid and everything below it.
-    NOTE: keyed with the start time too: a pid reused during a run is another process."""
+def processes(root_pid: int | None) -> list[tuple[int, str, str, ProcessInfo]]:
+    """(pid, command line, role, process info) of root_pid and everything below it,
+    or of every process here when root_pid is None."""
     table = read_process_table()
-    out = {}
-    for pid in [root_pid, *descendants(table, root_pid)]:
+    pids = [root_pid, *descendants(table, root_pid)] if root_pid is not None else list(table)
+    out = []
+    for pid in pids:
         info = table.get(pid)
-        if info is not None:
-            out[(pid, info.start_ticks)] = (role_of(cmdline(pid), info.comm), info.cpu_s)
+        if info is not None:  # gone meanwhile
+            command = cmdline(pid)
+            out.append((pid, command, role_of(command, info.comm), info))
     return out
+
+
+def _cpu_by_process(root_pid: int) -> dict[tuple[int, int], tuple[str, float]]:
+    """(pid, start time) -> (role, CPU seconds).
+    NOTE: keyed with the start time too: a pid reused during a run is another process."""
+    return {(pid, info.start_ticks): (role, info.cpu_s) for pid, _, role, info in processes(root_pid)}
 
 
 @dataclass(slots=True)
@@ -45,7 +53,7 @@ class ProcessCpu:
 
     def start(self) -> "ProcessCpu":
         if self.available:
-            self._before = _descendants(self.root_pid)
+            self._before = _cpu_by_process(self.root_pid)
             self._client_before = _own_cpu_s()
         return self
 
@@ -55,7 +63,7 @@ class ProcessCpu:
         if not self.available:
             return {}
         seconds = dict.fromkeys(ROLES, 0.0)
-        for key, (role, cpu) in _descendants(self.root_pid).items():
+        for key, (role, cpu) in _cpu_by_process(self.root_pid).items():
             before = self._before.get(key)
             seconds[role] += cpu - (before[1] if before is not None else 0.0)
         seconds["client"] = _own_cpu_s() - self._client_before

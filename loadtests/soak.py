@@ -21,9 +21,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
-from cluster.process_table import cmdline, descendants, read_process_table
 from loadtests.local_server import LocalServer
-from loadtests.process_cpu import role_of
+from loadtests.process_cpu import processes
 
 ROLES = ("engine", "ingress", "front door")
 # NOTE: Ray's Prometheus exporter prefixes our metric names with "ray_".
@@ -54,13 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- sampling the server's processes and metrics ----------------------------
 
-def app_processes(root_pid: int | None) -> list[tuple[int, str, str]]:
-    """(pid, command line, name) of the server's processes: below `root_pid`, or all here."""
-    table = read_process_table()
-    pids = descendants(table, root_pid) if root_pid is not None else list(table)
-    return [(pid, cmdline(pid), table[pid].comm) for pid in pids]
-
-
 def _rss_mib(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/statm") as f:
@@ -69,18 +61,17 @@ def _rss_mib(pid: int) -> float:
         return 0.0  # gone meanwhile
 
 
-def rss_by_role(procs: list[tuple[int, str, str]]) -> dict[str, float]:
+def rss_by_role(procs: list[tuple[int, str, str, object]]) -> dict[str, float]:
     """MiB of resident memory per role (summed over its processes)."""
     mib = dict.fromkeys(ROLES, 0.0)
-    for pid, cmd, comm in procs:
-        role = role_of(cmd, comm)
+    for pid, _, role, _ in procs:
         if role in mib:
             mib[role] += _rss_mib(pid)
     return mib
 
 
-def session_dir_of(procs: list[tuple[int, str, str]]) -> str | None:
-    for _, cmd, _ in procs:
+def session_dir_of(procs: list[tuple[int, str, str, object]]) -> str | None:
+    for _, cmd, _, _ in procs:
         match = re.search(r"--session_dir=(\S+)", cmd)
         if match:
             return match.group(1)
@@ -121,7 +112,7 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            procs = app_processes(self.root_pid)
+            procs = processes(self.root_pid)
             if self.metrics_url is None:
                 self.metrics_url = metrics_url(self.session_dir or session_dir_of(procs))
             self.samples.append((time.monotonic() - self.started_at, rss_by_role(procs),
