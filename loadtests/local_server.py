@@ -55,7 +55,8 @@ class LocalServer:
     def __init__(self, server_args: list[str], *, module: str = "cluster.serve_local",
                  model: str = "tiny", host: str = "127.0.0.1", port: int | None = None,
                  log_path: str | Path | None = None, startup_timeout_s: float = 600.0,
-                 stop_timeout_s: float = 30.0, env: dict[str, str] | None = None):
+                 stop_timeout_s: float = 30.0, env: dict[str, str] | None = None,
+                 cwd: str | Path | None = None):
         self.host, self.port = host, port or free_port(host)
         self.command = [sys.executable, "-m", module, "--model", model, "--host", host,
                         "--port", str(self.port), *server_args]
@@ -63,6 +64,7 @@ class LocalServer:
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.env = {**os.environ, **env} if env else None  # None: this process's
+        self.cwd = cwd  # None: this process's
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -80,7 +82,7 @@ class LocalServer:
         out = self._log_file or subprocess.DEVNULL
         self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        env=self.env)
+                                        env=self.env, cwd=self.cwd)
         LIVE.add(self)
         try:
             wait_healthy(self.base_url, self.startup_timeout_s, self._check_alive)

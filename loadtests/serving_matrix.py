@@ -32,6 +32,9 @@ class Server:
     flags: tuple[str, ...] = ()  # launcher flags
     env: tuple[tuple[str, str], ...] = ()
     app_args: tuple[tuple[str, object], ...] | None = None  # an app on a Ray in this process
+    # Another checkout to launch from (its cwd: Ray's workers import the driver's
+    # directory first), e.g. the revision before a change, beside this one.
+    tree: str | None = None
 
 
 @dataclass(slots=True)
@@ -100,7 +103,8 @@ def _start(server: Server, args, result_dir: Path):
     flags = list(server.flags) + (["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else [])
     log = result_dir / f"server-{server.name.replace(' ', '-')}.log"
     with LocalServer(flags, module=args.launcher, model=args.model, log_path=log,
-                     startup_timeout_s=args.startup_timeout, env=dict(server.env) or None) as srv:
+                     startup_timeout_s=args.startup_timeout, env=dict(server.env) or None,
+                     cwd=server.tree) as srv:
         print(f"\n[{server.name}] {shlex.join(srv.command[1:])}", flush=True)
         yield srv.base_url, srv.process.pid, None
 
@@ -188,13 +192,15 @@ def report_compare(rows: dict[str, dict], args, result_dir: Path) -> dict:
 
 
 def parse_variant(spec: str) -> Server:
-    """'NAME=[VAR=value ...] [flags]' -> a launched server with that environment."""
+    """'NAME=[@CHECKOUT] [VAR=value ...] [flags]' -> a launched server with that
+    environment, started from that checkout (default: this one)."""
     name, _, rest = spec.partition("=")
     words = shlex.split(rest)
+    tree = words.pop(0)[1:] if words and words[0].startswith("@") else None
     env = []
     while words and "=" in words[0] and not words[0].startswith("-"):
         env.append(tuple(words.pop(0).split("=", 1)))
-    return Server(name.strip(), tuple(words), tuple(env))
+    return Server(name.strip(), tuple(words), tuple(env), tree=tree)
 
 
 def http_rows(args) -> list[Row]:
@@ -292,8 +298,10 @@ def make_preset_parser(preset: str):
     if preset == "http":
         p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
         p.add_argument("--variant", action="append", default=None, metavar="NAME=FLAGS",
-                       help="a server row: a name, then environment variables and launcher flags, "
-                            "e.g. '2 engine cpus=OMP_WAIT_POLICY=passive --engine-num-cpus 2' "
+                       help="a server row: a name, then @CHECKOUT (launch from another "
+                            "checkout, e.g. a git worktree of an earlier revision), environment "
+                            "variables and launcher flags, e.g. "
+                            "'2 engine cpus=OMP_WAIT_POLICY=passive --engine-num-cpus 2' "
                             f"(repeatable; default: {' and '.join(map(repr, DEFAULT_VARIANTS))})")
     return p
 

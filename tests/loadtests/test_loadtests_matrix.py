@@ -116,3 +116,18 @@ def test_local_server_stops_its_process_group(tmp_path):
     assert server.process.returncode is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
+
+
+def test_variant_names_a_checkout_an_environment_and_flags():
+    server = serving_matrix.parse_variant("before=@/tmp/old OMP_WAIT_POLICY=passive --engine-num-cpus 2")
+    assert (server.name, server.tree) == ("before", "/tmp/old")
+    assert server.env == (("OMP_WAIT_POLICY", "passive"),)
+    assert server.flags == ("--engine-num-cpus", "2")
+    assert serving_matrix.parse_variant("now=--port 1").tree is None
+
+
+def test_local_server_launches_from_the_checkout_it_is_given(tmp_path):
+    # A module that exists only in the other checkout: found because the server runs there.
+    _write_module(tmp_path, "only_in_that_checkout", "import os, sys; sys.exit(7 if os.getcwd() else 0)\n")
+    with pytest.raises(RuntimeError, match="exited with code 7"):
+        LocalServer([], module="only_in_that_checkout", startup_timeout_s=20, cwd=tmp_path).start()
