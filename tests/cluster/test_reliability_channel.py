@@ -83,7 +83,7 @@ def test_a_killed_engine_replica_fails_only_its_own_streams(server):
             assert r.finish_reason == "length" and not r.error_events
     assert len(failed) == num_on_victim, (len(failed), num_on_victim)
     # Serve replaces the killed replica: wait for two healthy engines again.
-    assert wait_until(lambda: len(engine_replica_ids()) == 2 and len(pinned_stats(handle, 5)) == 2, 120)
+    assert wait_until(lambda: len(engine_replica_ids()) == 2 and len(pinned_stats(handle, timeout_s=5)) == 2, 120)
     print(f"\nengine replica killed: {len(failed)} of {num_streams} streams (exactly those it "
           "held) ended with an error event; the others finished")
 
