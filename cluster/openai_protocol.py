@@ -54,6 +54,8 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = _ENGINE_DEFAULT["frequency_penalty"]
     repetition_penalty: float = _ENGINE_DEFAULT["repetition_penalty"]
     min_tokens: int = _ENGINE_DEFAULT["min_tokens"]
+    # JSON keys are strings: token ids as decimal strings, as OpenAI sends them
+    logit_bias: dict[str, float] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -120,7 +122,8 @@ class _SamplingFields(BaseModel):
                 ignore_eos=self.ignore_eos, logprobs=self.num_logprobs,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty)
+                repetition_penalty=self.repetition_penalty,
+                logit_bias=_token_id_keys(self.logit_bias))
         except InvalidValue as e:
             sent = self._field_sent_for(e.param)
             if sent == e.param:
@@ -132,6 +135,17 @@ class _SamplingFields(BaseModel):
         return engine_field
 
 
+def _token_id_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    # NOTE: at most 19 digits (int64), and int() never sees a huge string
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 19)), None)
+    if bad is not None:
+        raise InvalidValue(f"logit_bias keys must be token ids as decimal strings, got {bad[:40]!r}",
+                           "logit_bias")
+    return {int(k): b for k, b in bias.items()}
+
+
 class CompletionRequest(_SamplingFields):
     # A string, or token ids; a batch of one of either is accepted too.
     prompt: Union[str, list[int], list[str], list[list[int]]]
@@ -140,7 +154,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -177,13 +190,6 @@ class CompletionRequest(_SamplingFields):
         if best_of not in (None, 1):
             raise ValueError("only best_of=1 is supported")
         return best_of
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, bias):
-        if bias:
-            raise ValueError("logit_bias is not supported")
-        return bias
 
 
 class TextPart(BaseModel):

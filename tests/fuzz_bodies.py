@@ -76,6 +76,15 @@ _BAD_SHARED = {
                                 st.fixed_dictionaries({"bogus": st.integers()})),
     "ignore_eos": _NON_BOOL,
     "user": _NON_STRING.filter(lambda v: v is not None),
+    "logit_bias": st.one_of(
+        st.fixed_dictionaries({"5": st.floats(min_value=100.001, allow_nan=False,
+                                              allow_infinity=False)}),
+        st.fixed_dictionaries({str(VOCAB_SIZE): st.floats(-100, 100, allow_nan=False)}),
+        st.fixed_dictionaries({"-1": st.floats(-100, 100, allow_nan=False)}),
+        st.fixed_dictionaries({"x5": st.integers(-100, 100)}),
+        st.dictionaries(st.integers(0, VOCAB_SIZE - 1).map(str), st.just(1), min_size=301,
+                        max_size=310),
+        _NON_BOOL.filter(lambda v: v is not None)),
 }
 
 _BAD_COMPLETION = {
@@ -98,7 +107,6 @@ _BAD_COMPLETION = {
     "logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=21), _NON_INT),
     "echo": st.just(True),
     "best_of": st.integers(min_value=2),
-    "logit_bias": st.fixed_dictionaries({"5": st.floats(-100, 100, allow_nan=False)}),
     "suffix": st.text(min_size=1, max_size=5),
 }
 
