@@ -100,6 +100,9 @@ class SamplingParams:
     # (token id, bias) pairs sorted by id; a dict {token id: bias} is accepted and
     # converted. Added to the logits before temperature, top-k and top-p.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # What the output must match, as {kind: value} with one of json, json_object,
+    # regex, choice, grammar (replicas/structured_output.py); the engine compiles it.
+    structured_output: dict | None = None
 
     def __post_init__(self) -> None:
         _check(_is_num(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
@@ -148,6 +151,7 @@ class SamplingParams:
         object.__setattr__(self, "repetition_penalty",
                            max(float(self.repetition_penalty), MIN_REPETITION_PENALTY))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        check_structured_output(self.structured_output)
         try:
             object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
         except ValueError:
@@ -175,6 +179,28 @@ def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
            and all(_is_int64(t, 0) and _is_num(b) and abs(b) <= MAX_ABS_LOGIT_BIAS
                    for t, b in pairs.items()), "logit_bias", allowed, bias)
     return tuple(sorted((t, float(b)) for t, b in pairs.items()))
+
+
+STRUCTURED_OUTPUT_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def check_structured_output(spec) -> None:
+    """Shape only; compiling needs the tokenizer (replicas/structured_output.py)."""
+    if spec is None:
+        return
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_OUTPUT_KEYS:
+        raise InvalidValue("structured_output must be an object with exactly one of "
+                           f"{list(STRUCTURED_OUTPUT_KEYS)}, got {spec!r:.200}", "structured_output")
+    (key, value), = spec.items()
+    ok = {"json": isinstance(value, (dict, bool)), "json_object": value is True,
+          "regex": isinstance(value, str), "grammar": isinstance(value, str),
+          "choice": isinstance(value, list) and bool(value)
+          and all(isinstance(c, str) for c in value)}[key]
+    if not ok:
+        allowed = {"json": "a JSON schema object", "json_object": "true",
+                   "regex": "a string", "grammar": "a Lark grammar string",
+                   "choice": "a non-empty list of strings"}[key]
+        raise InvalidValue(f"structured_output.{key} must be {allowed}", "structured_output")
 
 
 @dataclass(slots=True, frozen=True)
