@@ -13,10 +13,11 @@ path).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator)
+                      field_validator, model_validator)
 
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 
@@ -33,6 +34,56 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False  # accepted for vLLM clients; ignored
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    # NOTE: the output is held to the schema whether strict is true or not
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_its_type(self):
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extension: exactly one of its fields."""
+
+    model_config = _STRICT
+    json_: Union[dict, str, None] = Field(None, alias="json")  # a schema, or its JSON text
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark
+
+    def spec(self) -> dict:
+        """The engine's `structured_output`; raises InvalidValue."""
+        sent = {k: v for k, v in (("json", self.json_), ("json_object", self.json_object),
+                                  ("regex", self.regex), ("choice", self.choice),
+                                  ("grammar", self.grammar)) if v is not None}
+        if len(sent) != 1:
+            raise InvalidValue("structured_outputs must set exactly one of json, json_object, "
+                               f"regex, choice, grammar; got {sorted(sent) or 'none'}",
+                               "structured_outputs")
+        (key, value), = sent.items()
+        if key == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise InvalidValue(f"structured_outputs.json is not valid JSON: {e}",
+                                   "structured_outputs") from None
+        return {key: value}
 
 
 class _SamplingFields(BaseModel):
@@ -56,6 +107,8 @@ class _SamplingFields(BaseModel):
     min_tokens: int = _ENGINE_DEFAULT["min_tokens"]
     # JSON keys are strings: token ids as decimal strings, as OpenAI sends them
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -123,7 +176,8 @@ class _SamplingFields(BaseModel):
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
-                logit_bias=_token_id_keys(self.logit_bias))
+                logit_bias=_token_id_keys(self.logit_bias),
+                structured_output=self._structured_output())
         except InvalidValue as e:
             sent = self._field_sent_for(e.param)
             if sent == e.param:
@@ -131,7 +185,22 @@ class _SamplingFields(BaseModel):
             message = str(e).replace(f"{e.param} ", f"{sent} ", 1)
             raise InvalidValue(message, sent, e.code) from None
 
+    def _structured_output(self) -> dict | None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise InvalidValue("structured_outputs cannot be sent with a response_format other "
+                               "than text", "structured_outputs")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"json_object": True}
+        return {"json": fmt.json_schema.schema_}
+
     def _field_sent_for(self, engine_field: str | None) -> str | None:
+        if engine_field == "structured_output":
+            return "structured_outputs" if self.structured_outputs is not None else "response_format"
         return engine_field
 
 
@@ -243,7 +312,7 @@ class ChatCompletionRequest(_SamplingFields):
             return "top_logprobs"
         if engine_field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return engine_field
+        return super()._field_sent_for(engine_field)
 
     def template_messages(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

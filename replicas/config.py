@@ -192,7 +192,7 @@ def check_structured_output(spec) -> None:
         raise InvalidValue("structured_output must be an object with exactly one of "
                            f"{list(STRUCTURED_OUTPUT_KEYS)}, got {spec!r:.200}", "structured_output")
     (key, value), = spec.items()
-    ok = {"json": isinstance(value, (dict, bool)), "json_object": value is True,
+    ok = {"json": isinstance(value, dict), "json_object": value is True,
           "regex": isinstance(value, str), "grammar": isinstance(value, str),
           "choice": isinstance(value, list) and bool(value)
           and all(isinstance(c, str) for c in value)}[key]
@@ -201,6 +201,14 @@ def check_structured_output(spec) -> None:
                    "regex": "a string", "grammar": "a Lark grammar string",
                    "choice": "a non-empty list of strings"}[key]
         raise InvalidValue(f"structured_output.{key} must be {allowed}", "structured_output")
+    if key == "json":
+        import jsonschema  # NOTE: only requests with a schema pay its import
+        try:
+            jsonschema.validators.validator_for(value).check_schema(value)
+        except jsonschema.SchemaError as e:
+            where = "/".join(map(str, e.absolute_path)) or "(root)"
+            raise InvalidValue(f"structured_output holds an invalid JSON schema at {where}: "
+                               f"{e.message}", "structured_output") from None
 
 
 @dataclass(slots=True, frozen=True)

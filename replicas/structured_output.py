@@ -28,16 +28,6 @@ _PARAM = "structured_output"
 _compile_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
 
 
-def _schema_problem(schema) -> str | None:
-    import jsonschema  # NOTE: only constrained requests pay its import
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "/".join(map(str, e.absolute_path)) or "(root)"
-        return f"invalid JSON schema at {where}: {e.message}"
-    return None
-
-
 def grammar_source(spec: dict) -> str:
     """The llguidance grammar of a checked spec; raises InvalidValue."""
     import llguidance as llg
@@ -45,9 +35,7 @@ def grammar_source(spec: dict) -> str:
     if key == "json_object":
         value = {"type": "object"}
     if key in ("json", "json_object"):
-        problem = _schema_problem(value)
-        if problem:
-            raise InvalidValue(problem, _PARAM)
+        # NOTE: SamplingParams already checked the schema against its metaschema
         return llg.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS)
     if key == "regex":
         return llg.LLMatcher.grammar_from_regex(value)
