@@ -22,6 +22,9 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 
 MAX_STOP_STRINGS = 16
+# Choices of one request, as OpenAI bounds `n`; each runs as an engine request of
+# its own, so the engine's queue bounds count every one.
+MAX_CHOICES = 128
 MAX_STOP_STRING_CHARS = 512
 
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -118,9 +121,9 @@ class _SamplingFields(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
+    def _num_choices(cls, n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}]")
         return n
 
     @field_validator("stream_options")
@@ -255,9 +258,11 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_one(cls, best_of):
-        if best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _best_of_n(cls, best_of, info: ValidationInfo):
+        # NOTE: best_of == n returns every sequence made: the same as n alone.
+        if best_of is not None and best_of != info.data.get("n", 1):
+            raise ValueError("best_of must equal n (default 1): choosing the best of more "
+                             "sequences than are returned is not supported")
         return best_of
 
 
