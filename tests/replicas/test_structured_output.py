@@ -135,3 +135,21 @@ def test_compile_past_its_time_is_refused(engine):
                                                for i in range(200)}}
     with pytest.raises(InvalidValue, match="could not be compiled within"):
         engine.core.grammars.compile({"json": schema}, timeout_s=1e-6)
+
+
+def test_pipelined_host_copy_keeps_masks_on_the_previous_token():
+    """The CUDA ordering (step k enqueued before step k-1's ids are read), run on
+    CPU: constrained rows must still see every earlier token before sampling."""
+    with Engine(EngineConfig(model="tiny", num_scheduler_steps=8)) as e:
+        e.core.runner.pipelined_host_copy = True
+        free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        params = [free] * 3 + [SamplingParams(temperature=1.0, seed=i, max_tokens=160,
+                                              structured_output={"json": SCHEMAS["enum"]})
+                               for i in range(3)]
+        outs = e.generate(_prompts(6, seed=13), params)
+        e.core.runner.pipelined_host_copy = False
+        alone = e.generate(_prompts(6, seed=13)[:3], free)
+    assert [o.token_ids for o in outs[:3]] == [o.token_ids for o in alone]
+    for out in outs[3:]:
+        assert out.finish_reason == FinishReason.STOP
+        jsonschema.validate(json.loads(out.text), SCHEMAS["enum"])
