@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ COMPILE_TIMEOUT_S = 2.0
 # NOTE: compact JSON: with flexible whitespace a sampled model may pad forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _PARAM = "structured_output"
+logger = logging.getLogger("stepstream")
 _compile_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
 
 
@@ -45,7 +47,7 @@ def grammar_source(spec: dict) -> str:
 
 
 class GrammarCompiler:
-    """One per engine: the model's token table, built once (~25 ms for 8k tokens)."""
+    """One per engine: the model's token table, built once at start-up."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]):
         import llguidance as llg
@@ -53,8 +55,11 @@ class GrammarCompiler:
         path = Path(model_dir) / "tokenizer.json"
         self.tokenizer = None
         if path.is_file() and eos_token_ids:
-            self.tokenizer = llg.LLTokenizer(path.read_text(), n_vocab=vocab_size,
-                                             eos_token=list(eos_token_ids))
+            try:
+                self.tokenizer = llg.LLTokenizer(path.read_text(), n_vocab=vocab_size,
+                                                 eos_token=list(eos_token_ids))
+            except Exception:  # noqa: BLE001 - serve without structured outputs
+                logger.exception("structured outputs are off: llguidance cannot read %s", path)
         self.vocab_size = vocab_size
 
     def compile(self, spec: dict, timeout_s: float = COMPILE_TIMEOUT_S) -> "GrammarMatcher":
