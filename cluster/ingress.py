@@ -31,11 +31,10 @@ from cluster.errors import ApiError, bad_request
 from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                      validation_error_message)
 from cluster.channels import ChannelHub
+from cluster.choices import choice_requests, open_relays
 from cluster.errors import replica_error
-from cluster.relay import Relay
 from cluster.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter
 from cluster.response_writer import json_body, sse_events
-from cluster.wire import EngineRequest
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 from replicas.request_validation import RequestLimits
 from deltas.text_stream import TextStream
@@ -363,23 +362,25 @@ class Ingress:
         _check_limits(self._limits, prompt_ids, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         started_at = time.monotonic()
-        engine_request = EngineRequest(request_id, prompt_ids, params, self._channels.owner)
-        text_stream = TextStream(self._tokenizer, stop=req.stop_strings,
-                                 include_stop_str_in_output=req.include_stop_str_in_output,
-                                 skip_special_tokens=req.skip_special_tokens)
-        relay = await Relay.open(self._engine_stream, self._channels, engine_request,
-                                 text_stream, timeout_s=self._request_timeout_s,
-                                 queue_timeout_s=self._queue_timeout_s)
+        # NOTE: n choices are n engine requests, bounded and aborted as n (cluster/choices.py)
+        engine_requests = choice_requests(request_id, prompt_ids, params, self._channels.owner,
+                                          req.n)
+        relays = await open_relays(
+            self._engine_stream, self._channels, engine_requests,
+            lambda: TextStream(self._tokenizer, stop=req.stop_strings,
+                               include_stop_str_in_output=req.include_stop_str_in_output,
+                               skip_special_tokens=req.skip_special_tokens),
+            timeout_s=self._request_timeout_s, queue_timeout_s=self._queue_timeout_s)
         formatter_cls = ChatFormatter if chat else CompletionFormatter
         formatter = formatter_cls(request_id, self._served_model_name, int(time.time()),
                                   include_usage=req.include_usage)
         token_text = self._token_text if params.logprobs is not None else None
         if req.stream:
-            events = sse_events(relay, formatter, chat, token_text, self._metrics, started_at,
+            events = sse_events(relays, formatter, chat, token_text, self._metrics, started_at,
                                 len(prompt_ids))
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers=SSE_HEADERS)
-        return JSONResponse(await json_body(relay, formatter, chat, token_text,
+        return JSONResponse(await json_body(relays, formatter, chat, token_text,
                                             len(prompt_ids), metrics=self._metrics))
 
     def _check_prompt_chars(self, req, chat: bool, max_model_len: int) -> None:

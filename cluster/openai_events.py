@@ -4,8 +4,9 @@ One formatter per request. The per-chunk path only splices the JSON-encoded text
 (and logprobs) between a prefix and a suffix computed once per request, because
 it runs for every event of every stream.
 
-Event order of a stream: text chunks (the last one carries finish_reason), a usage
-chunk when `stream_options.include_usage`, then `data: [DONE]`. A stream that fails
+Event order of a stream: text chunks (the last one of each choice carries its
+finish_reason; with n > 1 the choices' chunks interleave, each with its `index`), a
+usage chunk when `stream_options.include_usage`, then `data: [DONE]`. A stream that fails
 after its headers went out ends with an error event and no [DONE]
 (`cluster.errors.sse_error_event`).
 """
@@ -41,7 +42,7 @@ class _Formatter:
         self.created = created
         self.include_usage = include_usage
         head = (f'{{"id":{_dumps(response_id)},"object":"{self.chunk_object_name}",'
-                f'"created":{created},"model":{_dumps(model)},"choices":[{{"index":0,')
+                f'"created":{created},"model":{_dumps(model)},"choices":[{{"index":')
         self._chunk_head = head
         self._chunk_tail = ',"usage":null}' if include_usage else "}"
 
@@ -51,15 +52,25 @@ class _Formatter:
             "created": self.created, "model": self.model, "choices": [],
             "usage": usage_dict(num_prompt_tokens, num_output_tokens)}))
 
-    def _envelope(self, choice: dict, num_prompt_tokens: int, num_output_tokens: int) -> dict:
+    def response_of(self, choices: list[dict], num_prompt_tokens: int,
+                    num_output_tokens: int) -> dict:
+        """The body of a request with `choices` (from `choice`); usage counts the
+        prompt once and the output tokens of every choice."""
         return {"id": self.response_id, "object": self.object_name, "created": self.created,
-                "model": self.model, "choices": [choice],
+                "model": self.model, "choices": choices,
                 "usage": usage_dict(num_prompt_tokens, num_output_tokens)}
 
-    def _choice_event(self, content: str, finish_reason, logprobs, stop_reason) -> bytes:
+    def response(self, text: str, finish_reason: str | None, stop_reason,
+                 logprobs: dict | None, num_prompt_tokens: int, num_output_tokens: int) -> dict:
+        """The body of a request with one choice."""
+        return self.response_of([self.choice(0, text, finish_reason, stop_reason, logprobs)],
+                                num_prompt_tokens, num_output_tokens)
+
+    def _choice_event(self, index: int, content: str, finish_reason, logprobs,
+                      stop_reason) -> bytes:
         """One chunk event: `content` is the choice's text or delta field."""
         fields = _choice_fields(content, finish_reason, logprobs, stop_reason)
-        return sse_event(self._chunk_head + fields + "}]" + self._chunk_tail)
+        return sse_event(f"{self._chunk_head}{index},{fields}}}]{self._chunk_tail}")
 
 
 def _choice_fields(content: str, finish_reason, logprobs, stop_reason) -> str:
@@ -74,14 +85,15 @@ class CompletionFormatter(_Formatter):
     chunk_object_name = "text_completion"
 
     def chunk_event(self, text: str, finish_reason: str | None = None,
-                    logprobs: dict | None = None, stop_reason=None) -> bytes:
-        return self._choice_event(f'"text":{_dumps(text)}', finish_reason, logprobs, stop_reason)
+                    logprobs: dict | None = None, stop_reason=None, index: int = 0) -> bytes:
+        return self._choice_event(index, f'"text":{_dumps(text)}', finish_reason, logprobs,
+                                  stop_reason)
 
-    def response(self, text: str, finish_reason: str | None, stop_reason,
-                 logprobs: dict | None, num_prompt_tokens: int, num_output_tokens: int) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": logprobs,
-                  "finish_reason": finish_reason, "stop_reason": stop_reason}
-        return self._envelope(choice, num_prompt_tokens, num_output_tokens)
+    @staticmethod
+    def choice(index: int, text: str, finish_reason: str | None, stop_reason,
+               logprobs: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 class ChatFormatter(_Formatter):
@@ -90,27 +102,28 @@ class ChatFormatter(_Formatter):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._sent_role = False
+        self._role_sent_to: set[int] = set()  # choice indices
 
     def chunk_event(self, text: str, finish_reason: str | None = None,
-                    logprobs: dict | None = None, stop_reason=None) -> bytes:
-        # NOTE: the role rides on the first text chunk instead of an empty chunk of
-        # its own, so the first event a client sees already carries a token.
-        if not self._sent_role:
-            self._sent_role = True
+                    logprobs: dict | None = None, stop_reason=None, index: int = 0) -> bytes:
+        # NOTE: the role rides on each choice's first text chunk instead of an empty
+        # chunk of its own, so the first event a client sees already carries a token.
+        if index not in self._role_sent_to:
+            self._role_sent_to.add(index)
             delta = f'{{"role":"assistant","content":{_dumps(text)}}}'
         elif text or finish_reason is None:
             delta = f'{{"content":{_dumps(text)}}}'
         else:
             delta = "{}"
-        return self._choice_event(f'"delta":{delta}', finish_reason, logprobs, stop_reason)
+        return self._choice_event(index, f'"delta":{delta}', finish_reason, logprobs,
+                                  stop_reason)
 
-    def response(self, text: str, finish_reason: str | None, stop_reason,
-                 logprobs: dict | None, num_prompt_tokens: int, num_output_tokens: int) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": logprobs, "finish_reason": finish_reason,
-                  "stop_reason": stop_reason}
-        return self._envelope(choice, num_prompt_tokens, num_output_tokens)
+    @staticmethod
+    def choice(index: int, text: str, finish_reason: str | None, stop_reason,
+               logprobs: dict | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
 
 TokenText = Callable[[int], str]

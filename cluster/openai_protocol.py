@@ -13,14 +13,18 @@ path).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator)
+                      field_validator, model_validator)
 
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 
 MAX_STOP_STRINGS = 16
+# Choices of one request, as OpenAI bounds `n`; each runs as an engine request of
+# its own, so the engine's queue bounds count every one.
+MAX_CHOICES = 128
 MAX_STOP_STRING_CHARS = 512
 
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -33,6 +37,56 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False  # accepted for vLLM clients; ignored
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    # NOTE: the output is held to the schema whether strict is true or not
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_its_type(self):
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extension: exactly one of its fields."""
+
+    model_config = _STRICT
+    json_: Union[dict, str, None] = Field(None, alias="json")  # a schema, or its JSON text
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark
+
+    def spec(self) -> dict:
+        """The engine's `structured_output`; raises InvalidValue."""
+        sent = {k: v for k, v in (("json", self.json_), ("json_object", self.json_object),
+                                  ("regex", self.regex), ("choice", self.choice),
+                                  ("grammar", self.grammar)) if v is not None}
+        if len(sent) != 1:
+            raise InvalidValue("structured_outputs must set exactly one of json, json_object, "
+                               f"regex, choice, grammar; got {sorted(sent) or 'none'}",
+                               "structured_outputs")
+        (key, value), = sent.items()
+        if key == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise InvalidValue(f"structured_outputs.json is not valid JSON: {e}",
+                                   "structured_outputs") from None
+        return {key: value}
 
 
 class _SamplingFields(BaseModel):
@@ -54,6 +108,10 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = _ENGINE_DEFAULT["frequency_penalty"]
     repetition_penalty: float = _ENGINE_DEFAULT["repetition_penalty"]
     min_tokens: int = _ENGINE_DEFAULT["min_tokens"]
+    # JSON keys are strings: token ids as decimal strings, as OpenAI sends them
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,9 +121,9 @@ class _SamplingFields(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
+    def _num_choices(cls, n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}]")
         return n
 
     @field_validator("stream_options")
@@ -120,7 +178,9 @@ class _SamplingFields(BaseModel):
                 ignore_eos=self.ignore_eos, logprobs=self.num_logprobs,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty)
+                repetition_penalty=self.repetition_penalty,
+                logit_bias=_token_id_keys(self.logit_bias),
+                structured_output=self._structured_output())
         except InvalidValue as e:
             sent = self._field_sent_for(e.param)
             if sent == e.param:
@@ -128,8 +188,34 @@ class _SamplingFields(BaseModel):
             message = str(e).replace(f"{e.param} ", f"{sent} ", 1)
             raise InvalidValue(message, sent, e.code) from None
 
+    def _structured_output(self) -> dict | None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise InvalidValue("structured_outputs cannot be sent with a response_format other "
+                               "than text", "structured_outputs")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"json_object": True}
+        return {"json": fmt.json_schema.schema_}
+
     def _field_sent_for(self, engine_field: str | None) -> str | None:
+        if engine_field == "structured_output":
+            return "structured_outputs" if self.structured_outputs is not None else "response_format"
         return engine_field
+
+
+def _token_id_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    # NOTE: at most 19 digits (int64), and int() never sees a huge string
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 19)), None)
+    if bad is not None:
+        raise InvalidValue(f"logit_bias keys must be token ids as decimal strings, got {bad[:40]!r}",
+                           "logit_bias")
+    return {int(k): b for k, b in bias.items()}
 
 
 class CompletionRequest(_SamplingFields):
@@ -140,7 +226,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -173,17 +258,12 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_one(cls, best_of):
-        if best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _best_of_n(cls, best_of, info: ValidationInfo):
+        # NOTE: best_of == n returns every sequence made: the same as n alone.
+        if best_of is not None and best_of != info.data.get("n", 1):
+            raise ValueError("best_of must equal n (default 1): choosing the best of more "
+                             "sequences than are returned is not supported")
         return best_of
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, bias):
-        if bias:
-            raise ValueError("logit_bias is not supported")
-        return bias
 
 
 class TextPart(BaseModel):
@@ -237,7 +317,7 @@ class ChatCompletionRequest(_SamplingFields):
             return "top_logprobs"
         if engine_field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return engine_field
+        return super()._field_sent_for(engine_field)
 
     def template_messages(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -129,6 +129,11 @@ class Relay:
                 timer.cancel()
             self._close(engine_done and not self.timed_out)
 
+    def abort(self) -> None:
+        """Stop an open request whose deltas will not be read (another choice of
+        its request was refused)."""
+        self._close(engine_done=False)
+
     def _close(self, engine_done: bool) -> None:
         if self._watcher is not None:
             self._watcher.cancel()

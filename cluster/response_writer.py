@@ -1,4 +1,4 @@
-"""Text deltas of one request -> SSE events, or one JSON body.
+"""Text deltas of one request's choices -> SSE events, or one JSON body.
 
 Every stream ends honestly: `[DONE]` after a complete answer, or an error event
 in the OpenAI shape (and no `[DONE]`) when anything fails after the headers went
@@ -12,6 +12,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from cluster.errors import ApiError, sse_error_event
+from cluster.choices import merged_text_deltas
 from cluster.relay import Relay, aclosing, is_error
 from cluster.openai_events import DONE_EVENT, chat_logprobs, completion_logprobs
 from deltas.types import TextDelta
@@ -84,66 +85,90 @@ class _Timing:
             self.metrics.tpot_s.observe((self.last_at - self.first_at) / (num_output_tokens - 1))
 
 
-async def sse_events(relay: Relay, formatter, chat: bool, token_text: TokenText | None,
+async def sse_events(relays: list[Relay], formatter, chat: bool, token_text: TokenText | None,
                      metrics, started_at: float, num_prompt_tokens: int) -> AsyncIterator[bytes]:
+    """The events of the request whose choices `relays` read (one per choice);
+    usage counts the prompt once and every choice's output tokens."""
     timing = _Timing(metrics, started_at)
-    text_offset = 0
-    num_output_tokens = 0
+    text_offsets = [0] * len(relays)
+    num_output_tokens = [0] * len(relays)
     try:
-        async with aclosing(relay.text_deltas()) as text_deltas:
-            async for td in text_deltas:
+        async with aclosing(merged_text_deltas(relays)) as text_deltas:
+            async for i, td in text_deltas:
                 if is_error(td):
-                    yield sse_error_event(_engine_failure(td, relay))
+                    yield sse_error_event(_engine_failure(td, relays[i]))
                     return
                 logprobs = None
                 if token_text is not None and td.token_ids:
                     logprobs = _logprobs(td.token_ids, td.logprobs, td.top_logprobs, chat,
-                                         token_text, text_offset)
-                text_offset += len(td.text)
-                num_output_tokens = td.num_output_tokens
+                                         token_text, text_offsets[i])
+                text_offsets[i] += len(td.text)
+                num_output_tokens[i] = td.num_output_tokens
                 if td.text or td.finish_reason is not None or logprobs is not None:
                     yield formatter.chunk_event(td.text, _finish_reason(td), logprobs,
-                                                td.stop_reason)
+                                                td.stop_reason, i)
                     timing.event()
         if formatter.include_usage:
-            yield formatter.usage_event(num_prompt_tokens, num_output_tokens)
+            yield formatter.usage_event(num_prompt_tokens, sum(num_output_tokens))
         yield DONE_EVENT
-        timing.finish(num_output_tokens)
+        timing.finish(sum(num_output_tokens))
     except (asyncio.CancelledError, GeneratorExit):
         raise
     except Exception:
-        logger.exception("stream %s failed", relay.request_id)
+        logger.exception("stream %s failed", relays[0].request_id)
         yield sse_error_event(ApiError(500, "Internal server error", code="internal_error"))
     finally:
         # NOTE: every ending counts: a stream cut short sent its tokens too.
-        count_tokens(metrics, num_prompt_tokens, num_output_tokens)
+        count_tokens(metrics, num_prompt_tokens, sum(num_output_tokens))
 
 
-async def json_body(relay: Relay, formatter, chat: bool, token_text: TokenText | None,
+class _ChoiceText:
+    """One choice's text, and its logprobs when asked, gathered for a JSON body."""
+
+    __slots__ = ("texts", "token_ids", "logprobs", "top_logprobs", "last")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list = []
+        self.last: TextDelta | None = None
+
+    def add(self, td: TextDelta, with_logprobs: bool) -> None:
+        self.texts.append(td.text)
+        if with_logprobs and td.logprobs is not None:
+            self.token_ids.extend(td.token_ids)
+            self.logprobs.extend(td.logprobs)
+            self.top_logprobs.extend(td.top_logprobs or [])
+        self.last = td
+
+    def choice(self, index: int, formatter, chat: bool, token_text: TokenText | None) -> dict:
+        last = self.last
+        lp = None
+        if token_text is not None:
+            lp = _logprobs(self.token_ids, self.logprobs, self.top_logprobs or None, chat,
+                           token_text, 0)
+        return formatter.choice(index, "".join(self.texts), _finish_reason(last),
+                                last.stop_reason, lp)
+
+
+async def json_body(relays: list[Relay], formatter, chat: bool, token_text: TokenText | None,
                     num_prompt_tokens: int, metrics=None) -> dict:
-    texts: list[str] = []
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    top_logprobs: list = []
-    last = None
+    """The body of the request whose choices `relays` read (one per choice)."""
+    choices = [_ChoiceText() for _ in relays]
+    answered = False
     try:
-        async with aclosing(relay.text_deltas()) as text_deltas:
-            async for td in text_deltas:
+        async with aclosing(merged_text_deltas(relays)) as text_deltas:
+            async for i, td in text_deltas:
                 if is_error(td):
-                    raise _engine_failure(td, relay)
-                texts.append(td.text)
-                if token_text is not None and td.logprobs is not None:
-                    token_ids.extend(td.token_ids)
-                    logprobs.extend(td.logprobs)
-                    top_logprobs.extend(td.top_logprobs or [])
-                last = td
+                    raise _engine_failure(td, relays[i])
+                choices[i].add(td, token_text is not None)
+        # NOTE: merged_text_deltas ends once every choice has its finish
+        answered = True
     finally:
         # NOTE: output tokens only with an answer: a failed one sends none.
-        answered = last is not None and last.finish_reason is not None
-        count_tokens(metrics, num_prompt_tokens, last.num_output_tokens if answered else 0)
-    assert last is not None  # text_deltas always ends with a finished delta
-    lp = None
-    if token_text is not None:
-        lp = _logprobs(token_ids, logprobs, top_logprobs or None, chat, token_text, 0)
-    return formatter.response("".join(texts), _finish_reason(last), last.stop_reason, lp,
-                              num_prompt_tokens, last.num_output_tokens)
+        num_output_tokens = sum(c.last.num_output_tokens for c in choices) if answered else 0
+        count_tokens(metrics, num_prompt_tokens, num_output_tokens)
+    return formatter.response_of([c.choice(i, formatter, chat, token_text)
+                                  for i, c in enumerate(choices)],
+                                 num_prompt_tokens, num_output_tokens)

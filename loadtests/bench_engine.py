@@ -17,6 +17,9 @@ ignore_eos, 128-token prompts unless said):
   multi-turn conversations (TTFT by turn);
 - `--wire`: the per-step wire's encode + decode cost, old lists vs msgspec bytes
   (loadtests/wire_cost.py; no engine, no model).
+- `--structured`: 200 streams, every fourth held to a JSON schema, beside the same
+  requests with no constrained neighbours, and the grammar engine's cost per token
+  (loadtests/structured_outputs.py).
 Configurations of a table are interleaved round by round (`--repeats`), medians.
 """
 from __future__ import annotations
@@ -32,12 +35,13 @@ from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_
                                      run_process_engine, sessions_of)
 from loadtests.metrics import format_table, median_rows, ratio
 
-MODES = ("matrix", "ceiling", "process", "prefix", "wire")
+MODES = ("matrix", "ceiling", "process", "prefix", "wire", "structured")
 # per mode: models, concurrency, output_len, repeats
 DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "matrix": (["tiny", "small"], [64, 256], 256, 1),
             "ceiling": (["tiny"], [200], 128, 1), "process": (["tiny"], [200], 128, 2),
-            "prefix": (["tiny"], [1, 16], 128, 3), "wire": ([], [], 0, 1)}
+            "prefix": (["tiny"], [1, 16], 128, 3), "wire": ([], [], 0, 1),
+            "structured": (["tiny"], [200], 128, 3)}
 TOK_S = ("output_throughput", "tok/s", ".0f")
 TTFT = ("median_ttft_ms", "TTFT p50 ms", ".1f")
 TPOT = [("median_tpot_ms", "TPOT p50 ms", ".2f"), ("p99_tpot_ms", "p99", ".2f")]
@@ -250,6 +254,8 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8],
                     help="--wire: new tokens per delta, one table block each")
     ap.add_argument("--samples", type=int, default=30, help="--wire: timed samples per format")
+    ap.add_argument("--constrained-every", type=int, default=4,
+                    help="--structured: every this many streams carries a JSON schema")
     return ap
 
 
@@ -263,6 +269,11 @@ def main(argv: list[str] | None = None) -> dict:
     if mode == "ceiling":
         from loadtests.engine_ceiling import ceiling_run
         result = {"ceiling": [ceiling_run(m, c, args) for m in args.models for c in args.concurrency]}
+    elif mode == "structured":
+        from loadtests.structured_outputs import report
+        result = {f"{m} c={c}": report(m, c, args.constrained_every, args.input_len,
+                                       args.output_len, args.repeats)
+                  for m in args.models for c in args.concurrency}
     elif mode == "wire":
         from loadtests.wire_cost import report
         result = report(args.num_deltas, args.tokens, args.samples)

@@ -53,6 +53,10 @@ def _is_int64(v, low: int) -> bool:
 INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias: as OpenAI, at most 300 entries of [-100, 100] each; a bias of 100 lifts a
+# token above any logit a model gives (tens), -100 bans it, and both stay finite.
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ABS_LOGIT_BIAS = 100.0
 # temperature: below GREEDY_BELOW it is greedy; up to MIN_TEMPERATURE it is raised to
 # it. With the repetition penalty's floor, a logit is scaled by at most 1e4: finite
 # in float32 for any logit below 3e34 (models give tens).
@@ -93,6 +97,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     output_kind: OutputKind = OutputKind.DELTA
+    # (token id, bias) pairs sorted by id; a dict {token id: bias} is accepted and
+    # converted. Added to the logits before temperature, top-k and top-p.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # What the output must match, as {kind: value} with one of json, json_object,
+    # regex, choice, grammar (replicas/structured_output.py); the engine compiles it.
+    structured_output: dict | None = None
 
     def __post_init__(self) -> None:
         _check(_is_num(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
@@ -140,6 +150,8 @@ class SamplingParams:
                self.repetition_penalty)
         object.__setattr__(self, "repetition_penalty",
                            max(float(self.repetition_penalty), MIN_REPETITION_PENALTY))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        check_structured_output(self.structured_output)
         try:
             object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
         except ValueError:
@@ -154,6 +166,49 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    allowed = (f"a map of at most {MAX_LOGIT_BIAS_ENTRIES} token ids (integers in [0, "
+               f"vocabulary size)) to numbers in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+    try:
+        pairs = dict(bias or ())  # NOTE: pairs too, as they arrive from the wire
+    except (TypeError, ValueError):
+        raise InvalidValue(f"logit_bias must be {allowed}, got {bias!r}", "logit_bias") from None
+    _check(len(pairs) <= MAX_LOGIT_BIAS_ENTRIES
+           and all(_is_int64(t, 0) and _is_num(b) and abs(b) <= MAX_ABS_LOGIT_BIAS
+                   for t, b in pairs.items()), "logit_bias", allowed, bias)
+    return tuple(sorted((t, float(b)) for t, b in pairs.items()))
+
+
+STRUCTURED_OUTPUT_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def check_structured_output(spec) -> None:
+    """Shape only; compiling needs the tokenizer (replicas/structured_output.py)."""
+    if spec is None:
+        return
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_OUTPUT_KEYS:
+        raise InvalidValue("structured_output must be an object with exactly one of "
+                           f"{list(STRUCTURED_OUTPUT_KEYS)}, got {spec!r:.200}", "structured_output")
+    (key, value), = spec.items()
+    ok = {"json": isinstance(value, dict), "json_object": value is True,
+          "regex": isinstance(value, str), "grammar": isinstance(value, str),
+          "choice": isinstance(value, list) and bool(value)
+          and all(isinstance(c, str) for c in value)}[key]
+    if not ok:
+        allowed = {"json": "a JSON schema object", "json_object": "true",
+                   "regex": "a string", "grammar": "a Lark grammar string",
+                   "choice": "a non-empty list of strings"}[key]
+        raise InvalidValue(f"structured_output.{key} must be {allowed}", "structured_output")
+    if key == "json":
+        import jsonschema  # NOTE: only requests with a schema pay its import
+        try:
+            jsonschema.validators.validator_for(value).check_schema(value)
+        except jsonschema.SchemaError as e:
+            where = "/".join(map(str, e.absolute_path)) or "(root)"
+            raise InvalidValue(f"structured_output holds an invalid JSON schema at {where}: "
+                               f"{e.message}", "structured_output") from None
 
 
 @dataclass(slots=True, frozen=True)

@@ -23,6 +23,7 @@ from replicas.model_runner import ModelRunner
 from replicas.output_processor import OutputProcessor
 from replicas.request import Request, RequestStatus
 from replicas.request_validation import RequestLimits
+from replicas.structured_output import GrammarCompiler
 from replicas.sampler import probe_rows
 from replicas.scheduler import Scheduler, SchedulerOutput
 from replicas.sampled_step import StepOutput
@@ -45,6 +46,7 @@ class EngineCore:
         self.eos_token_ids = model.eos_token_ids
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, tuple(self.eos_token_ids))
         self.runner = ModelRunner(config, self.model_dir, self.max_model_len)
+        self.grammars = GrammarCompiler(self.model_dir, self.vocab_size, self.eos_token_ids)
         self.model_config = self.runner.model_config
         self.block_manager = make_block_manager(self.runner.num_blocks, config, self.max_model_len)
         self.output = OutputProcessor(self.max_model_len, config.async_output, config.release_per_step)
@@ -72,7 +74,10 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      sink: DeltaSink) -> Request:
         """Validate and build a request; raises ValueError naming what is wrong."""
-        return self.limits.make_request(request_id, prompt_token_ids, params, sink, self.requests)
+        req = self.limits.make_request(request_id, prompt_token_ids, params, sink, self.requests)
+        if params.structured_output is not None:
+            req.grammar = self.grammars.compile(params.structured_output)
+        return req
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -151,6 +156,8 @@ class EngineCore:
         counts = []
         for req, token in zip(rows, sampled.token_ids):
             req.output_token_ids.append(token)
+            if req.grammar is not None:
+                req.grammar.accept(token)
             counts.append(len(req.output_token_ids))
         self._window_num_steps_taken += 1
         self.num_steps += 1

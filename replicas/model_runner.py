@@ -28,6 +28,7 @@ from replicas.request import Request
 from replicas.sampler import build_sampling_batch, sample_no_sync
 from replicas.scheduler import SchedulerOutput
 from replicas.step_advance import advance_decode_inputs_
+from replicas.structured_output import GrammarBatch
 from replicas.sampled_step import StepOutput
 
 logger = logging.getLogger("stepstream")
@@ -163,6 +164,8 @@ class ModelRunner:
         bucket = graphs.bucket_for(inputs.meta) if graphs is not None else None
         if bucket is not None:
             inputs = graphs.load_inputs(inputs, bucket)
+        grammars = GrammarBatch.from_rows(inputs.sampled_rows, self.model_config.vocab_size,
+                                          self.device)
         pending: PendingHostCopy | None = None
         for step in range(sched.num_steps):
             if bucket is not None:
@@ -170,6 +173,14 @@ class ModelRunner:
             else:
                 logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                                     self.backend, inputs.logits_indices)
+            if grammars is not None:
+                # NOTE: constrained rows keep the window: their masks need the previous
+                # step's tokens, so that step's host sync moves before this sampling
+                # (the host computes the masks while this step's forward runs).
+                if pending is not None:
+                    on_step(step - 1, inputs.sampled_rows, self._host_sync_pending(pending))
+                    pending = None
+                grammars.mask_logits_(logits)
             sampled, packed = sample_no_sync(logits, sampling)
             if step + 1 < sched.num_steps:
                 meta = inputs.meta

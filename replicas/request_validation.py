@@ -1,7 +1,8 @@
 """What a request must meet to run on this model: its rules, declared once.
 
 `SamplingParams` check their own values (replicas/config.py); what is checked here
-needs the model: the vocabulary, the context length and the end-of-sequence ids.
+needs the model: the vocabulary (stop ids, logit_bias keys), the context length and
+the end-of-sequence ids.
 Every refusal is an `InvalidValue` naming the field at fault.
 
 The ingress checks an HTTP request here before admitting it (a refusal is a 400
@@ -39,6 +40,9 @@ class RequestLimits:
         V = self.vocab_size
         if any(t >= V for t in params.stop_token_ids):
             raise InvalidValue(f"stop_token_ids must be in [0, {V})", "stop_token_ids")
+        if params.logit_bias and params.logit_bias[-1][0] >= V:  # NOTE: sorted by id
+            raise InvalidValue(f"logit_bias keys must be token ids in [0, {V}), got "
+                               f"{params.logit_bias[-1][0]}", "logit_bias")
         n = len(prompt_token_ids)
         room = self.max_model_len - n
         if params.max_tokens is None:

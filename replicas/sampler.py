@@ -1,5 +1,6 @@
 """Batched sampling on the device: greedy, temperature, top-k, top-p, min-p,
-per-request seeds, presence/frequency/repetition penalties, min_tokens, logprobs.
+per-request seeds, presence/frequency/repetition penalties, logit_bias, min_tokens,
+logprobs.
 
 `SamplingBatch` is built once per scheduling decision (a multi-step window reuses
 it, updating its counters on the device), and `sample_no_sync` returns a device
@@ -85,6 +86,9 @@ class SamplingBatch:
     num_outputs: torch.Tensor | None  # (B,) int64, advanced each step
     min_tokens: torch.Tensor | None  # (B,) int64
     max_num_logprobs: int  # -1: no row wants logprobs
+    # logit_bias of every row as (rows (E,), token ids (E,), biases (E,)): one
+    # scatter-add per step, at every step of a window
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def needs_logprobs(self) -> bool:
@@ -151,7 +155,16 @@ def _build_sampling_batch(rows: list[Request], vocab_size: int,
     any_greedy = any(p.is_greedy for p in params)
     return SamplingBatch(B, all_greedy, any_greedy, temps, greedy, top_k, top_p, min_p, seeded, counts,
                          prompt_mask, presence, frequency, repetition, stop_mask, num_outputs,
-                         min_tokens, max_lp)
+                         min_tokens, max_lp, _logit_bias(params, device))
+
+
+def _logit_bias(params: list, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    triples = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+    if not triples:
+        return None
+    rows, token_ids, biases = zip(*triples)
+    return (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
 
 
 def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -201,9 +214,14 @@ def _top_k_top_p(logits: torch.Tensor, sb: SamplingBatch, rows: slice) -> torch.
 
 
 def adjusted_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Penalties applied, stop tokens banned while min_tokens is not reached."""
+    """Penalties and logit_bias applied, stop tokens banned while min_tokens is
+    not reached. Never in place: the raw logits stay intact for logprobs."""
     if sb.output_counts is not None:
         logits = _apply_penalties(logits, sb)
+    if sb.logit_bias is not None:
+        # NOTE: after the penalties, so +100 lifts a token above any penalised logit;
+        # greedy rows take their argmax of these logits too.
+        logits = logits.index_put(sb.logit_bias[:2], sb.logit_bias[2], accumulate=True)
     if sb.stop_token_mask is not None:
         banned = sb.stop_token_mask & (sb.num_outputs < sb.min_tokens).unsqueeze(1)
         logits = logits.masked_fill(banned, _NEG_INF)

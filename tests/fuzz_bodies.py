@@ -1,7 +1,7 @@
 """Hypothesis strategies for hostile request bodies, each one invalid by construction.
 
 A body is a well-formed request with at least one field made invalid (wrong JSON
-type, out of range, NaN, huge, out of the vocabulary, n > 1, a bad stop list, an
+type, out of range, NaN, huge, out of the vocabulary, n past 128, a bad stop list, an
 unknown field), plus optional hostile but legal noise (control characters, odd
 unicode); or raw bytes that are not a valid request at all (invalid UTF-8, deep
 or truncated JSON, NaN literals, a JSON value that is not an object). So every
@@ -49,7 +49,7 @@ _BAD_SHARED = {
     "min_p": st.one_of(st.floats(min_value=1.001, allow_nan=False, allow_infinity=False),
                        st.floats(max_value=-0.001, allow_nan=False, allow_infinity=False)),
     "seed": st.one_of(st.integers(max_value=-1), st.integers(min_value=2**63), _NON_INT),
-    "n": st.one_of(st.integers(min_value=2), st.integers(max_value=0), _NON_INT),
+    "n": st.one_of(st.integers(min_value=129), st.integers(max_value=0), _NON_INT),
     "stop": st.one_of(st.just(""), st.lists(st.text(min_size=1, max_size=4), min_size=17,
                                             max_size=30),
                       st.text(min_size=513, max_size=600), st.lists(_NON_STRING, min_size=1,
@@ -76,6 +76,15 @@ _BAD_SHARED = {
                                 st.fixed_dictionaries({"bogus": st.integers()})),
     "ignore_eos": _NON_BOOL,
     "user": _NON_STRING.filter(lambda v: v is not None),
+    "logit_bias": st.one_of(
+        st.fixed_dictionaries({"5": st.floats(min_value=100.001, allow_nan=False,
+                                              allow_infinity=False)}),
+        st.fixed_dictionaries({str(VOCAB_SIZE): st.floats(-100, 100, allow_nan=False)}),
+        st.fixed_dictionaries({"-1": st.floats(-100, 100, allow_nan=False)}),
+        st.fixed_dictionaries({"x5": st.integers(-100, 100)}),
+        st.dictionaries(st.integers(0, VOCAB_SIZE - 1).map(str), st.just(1), min_size=301,
+                        max_size=310),
+        _NON_BOOL.filter(lambda v: v is not None)),
 }
 
 _BAD_COMPLETION = {
@@ -86,7 +95,7 @@ _BAD_COMPLETION = {
         st.lists(st.integers(min_value=VOCAB_SIZE), min_size=1, max_size=5),  # out of vocab
         st.lists(st.integers(max_value=-1), min_size=1, max_size=5),
         st.lists(_HUGE_INTS, min_size=1, max_size=3),
-        st.lists(st.text(min_size=1, max_size=5), min_size=2, max_size=4),  # a batch: n > 1
+        st.lists(st.text(min_size=1, max_size=5), min_size=2, max_size=4),  # several prompts
         st.lists(st.one_of(st.integers(0, 100), st.text(max_size=2)), min_size=2,
                  max_size=4).filter(lambda v: len({type(x) for x in v}) > 1),
         st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=MAX_MODEL_LEN,
@@ -97,8 +106,7 @@ _BAD_COMPLETION = {
                          for x in v))),
     "logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=21), _NON_INT),
     "echo": st.just(True),
-    "best_of": st.integers(min_value=2),
-    "logit_bias": st.fixed_dictionaries({"5": st.floats(-100, 100, allow_nan=False)}),
+    "best_of": st.integers(min_value=2),  # with n left at 1
     "suffix": st.text(min_size=1, max_size=5),
 }
 

@@ -288,7 +288,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 1000}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 129}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "whatever": 1}, 400, "whatever"),
     ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
@@ -506,3 +506,105 @@ def test_serve_routes_outside_the_key_reveal_only_the_route_table(server):
     assert routes.status_code == 200 and routes.json() == {"/": "stepstream"}
     health = httpx.get(server + "/-/healthz")
     assert health.status_code == 200 and len(health.text) < 64
+
+
+def _prefix_cache_hit_tokens() -> int:
+    return sum(s["num_prefix_cache_hit_tokens"] for s in all_replica_stats().values())
+
+
+def test_n_seeded_choices_share_the_prompt_and_equal_offline(client, offline, tokenizer):
+    from openai.types import Completion
+
+    # NOTE: a prompt no earlier test sent, of two full KV blocks and more: the first
+    # choice computes it, the other two find its blocks in the prefix cache.
+    prompt = f"Choice test {time.time_ns()}: " + "the fox ran over the hill and far away " * 3
+    prompt_ids = tokenizer.encode(prompt)
+    assert len(prompt_ids) > 2 * 16
+    refs = [reference(offline, tokenizer, [prompt_ids], temperature=1.0, seed=1234 + i,
+                      max_tokens=12)[0] for i in range(3)]
+    assert len({text for text, _ in refs}) == 3
+    assert wait_until(engines_idle, timeout_s=30)
+    hits_before = _prefix_cache_hit_tokens()
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0,
+                                     seed=1234, n=3)
+    assert isinstance(full, Completion)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    assert [c.text for c in full.choices] == [text for text, _ in refs]
+    assert all(c.finish_reason == "length" for c in full.choices)
+    assert full.usage.prompt_tokens == len(prompt_ids)
+    assert full.usage.completion_tokens == sum(len(ids) for _, ids in refs) == 36
+    assert full.usage.total_tokens == len(prompt_ids) + 36
+    assert _prefix_cache_hit_tokens() - hits_before >= 2 * 2 * 16
+
+    texts, finishes, usage = {}, {}, None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                           temperature=1.0, seed=1234, n=3, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {i: refs[i][0] for i in range(3)}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 36)
+
+
+def test_n_chat_choices_stream_and_not(client):
+    messages = [{"role": "user", "content": "Tell me about foxes."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=3,
+                                          temperature=1.0, seed=7)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    assert len({c.message.content for c in full.choices}) == 3
+    assert all(c.message.role == "assistant" for c in full.choices)
+    assert full.usage.completion_tokens == 24
+    texts, roles, usage = {}, {}, None
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                n=3, temperature=1.0, seed=7, stream=True,
+                                                stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.delta.role:
+                roles[c.index] = c.delta.role
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert roles == {0: "assistant", 1: "assistant", 2: "assistant"}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens, 24)
+
+
+def test_client_disconnect_aborts_every_choice(server):
+    assert wait_until(engines_idle, timeout_s=30)
+    cancelled_before = sum(s["num_requests_cancelled"] for s in all_replica_stats().values())
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1900, "temperature": 1.0,
+            "ignore_eos": True, "stream": True, "n": 3}
+    with httpx.Client(timeout=60, headers=AUTH) as c:
+        with c.stream("POST", server + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines, parser = r.iter_lines(), StreamParser()
+            while parser.num_events < 9:
+                parser.feed(next(lines), 0.0)
+    assert wait_until(engines_idle, timeout_s=30), all_replica_stats()
+    stats = all_replica_stats()
+    assert sum(s["num_requests_cancelled"] for s in stats.values()) == cancelled_before + 3
+
+
+def test_logit_bias_bans_and_forces_tokens(client, offline, tokenizer):
+    prompt_ids = tokenizer.encode(PROMPT)
+    (plain_text, plain_ids), = reference(offline, tokenizer, [prompt_ids], temperature=0.0,
+                                         max_tokens=8)
+    banned = {plain_ids[0]: -100.0}
+    (ref_text, ref_ids), = reference(offline, tokenizer, [prompt_ids], temperature=0.0,
+                                     max_tokens=8, logit_bias=banned)
+    assert ref_ids[0] != plain_ids[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    logit_bias={str(t): b for t, b in banned.items()})
+    assert out.choices[0].text == ref_text != plain_text
+    forced = tokenizer.encode(" fox", add_special_tokens=False)[0]
+    chat = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=1.0,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == tokenizer.decode([forced] * 5)
+    r = httpx.post(client.base_url.join("completions").__str__(), headers=AUTH,
+                   json={"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"

@@ -1,0 +1,207 @@
+"""n > 1 without Ray: one engine request per choice (ids, seeds), admission that
+aborts every choice when one is refused, the choices' deltas merged with their
+indices, and bodies and streams that the `openai` client's own types parse, with
+usage counting the prompt once."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+import cluster.choices as choices
+from cluster.errors import ApiError
+from cluster.openai_events import ChatFormatter, CompletionFormatter
+from cluster.response_writer import json_body, sse_events
+from deltas.types import FinishReason, TextDelta
+from replicas.config import INT64_MAX, SamplingParams
+
+
+def test_one_engine_request_per_choice_with_its_own_seed():
+    params = SamplingParams(seed=7, temperature=1.0, logit_bias={3: 1})
+    requests = choices.choice_requests("cmpl-x", [1, 2], params, "owner", 3)
+    assert [r.request_id for r in requests] == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2"]
+    assert [r.sampling_params.seed for r in requests] == [7, 8, 9]
+    assert all(r.prompt_token_ids == [1, 2] and r.sampling_params.logit_bias == ((3, 1.0),)
+               for r in requests)
+    one, = choices.choice_requests("cmpl-x", [1, 2], params, "owner", 1)
+    assert one.request_id == "cmpl-x" and one.sampling_params == params
+    wrapped = choices.choice_requests("c", [1], SamplingParams(seed=INT64_MAX), "o", 2)
+    assert [r.sampling_params.seed for r in wrapped] == [INT64_MAX, 0]
+    unseeded = choices.choice_requests("c", [1], SamplingParams(), "o", 2)
+    assert all(r.sampling_params.seed is None for r in unseeded)
+
+
+class FakeRelay:
+    """What the writers read of a Relay: scripted text deltas, with a pause before
+    each, and whether the stream was closed before its finish (an abort)."""
+
+    def __init__(self, request_id: str, deltas: list[TextDelta], pause_s: float = 0.0):
+        self.request_id = request_id
+        self.timed_out = False
+        self._deltas = deltas
+        self._pause_s = pause_s
+        self.aborted = False
+
+    async def text_deltas(self):
+        done = False
+        try:
+            for td in self._deltas:
+                await asyncio.sleep(self._pause_s)
+                done = td.finish_reason is not None
+                yield td
+        finally:
+            if not done:
+                self.aborted = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _deltas(words: list[str], finish=FinishReason.LENGTH) -> list[TextDelta]:
+    out = [TextDelta(w, token_ids=[i], num_output_tokens=i + 1) for i, w in enumerate(words)]
+    out[-1].finish_reason = finish
+    return out
+
+
+def _relays(pauses=(0.0, 0.001, 0.002)) -> list[FakeRelay]:
+    return [FakeRelay(f"r-{i}", _deltas([f"c{i}w{k} " for k in range(3 + i)]), pause)
+            for i, pause in enumerate(pauses)]
+
+
+def test_merged_deltas_carry_their_index_and_end_after_every_finish():
+    relays = _relays()
+
+    async def run():
+        return [(i, td.text) async for i, td in choices.merged_text_deltas(relays)]
+
+    got = asyncio.run(run())
+    for i in range(3):
+        assert [t for j, t in got if j == i] == [f"c{i}w{k} " for k in range(3 + i)]
+    assert not any(r.aborted for r in relays)
+
+
+def test_closing_the_merge_early_aborts_every_unfinished_choice():
+    relays = _relays()
+
+    async def run():
+        async with choices.aclosing(choices.merged_text_deltas(relays)) as deltas:
+            async for _ in deltas:
+                break
+
+    asyncio.run(run())
+    assert all(r.aborted for r in relays)
+
+
+def test_a_refused_choice_aborts_the_admitted_ones(monkeypatch):
+    opened: list[FakeRelay] = []
+
+    async def fake_open(engine_stream, hub, request, text_stream, **kwargs):
+        if request.request_id.endswith("-2"):
+            raise ApiError(429, "busy", code="overloaded")
+        relay = FakeRelay(request.request_id, [])
+        opened.append(relay)
+        return relay
+
+    monkeypatch.setattr(choices.Relay, "open", fake_open)
+    requests = choices.choice_requests("c", [1], SamplingParams(), "o", 4)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(choices.open_relays(None, None, requests, lambda: None))
+    assert e.value.status == 429
+    assert [r.request_id for r in opened] == ["c-0", "c-1", "c-3"]
+    assert all(r.aborted for r in opened)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_body_of_three_choices_parses_with_the_openai_types(chat):
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    formatter = (ChatFormatter if chat else CompletionFormatter)("id-1", "m", 1)
+    body = asyncio.run(json_body(_relays(), formatter, chat, None, num_prompt_tokens=5))
+    parsed = (ChatCompletion if chat else Completion).model_validate(body)
+    assert [c.index for c in parsed.choices] == [0, 1, 2]
+    texts = [c.message.content if chat else c.text for c in parsed.choices]
+    assert texts == ["".join(f"c{i}w{k} " for k in range(3 + i)) for i in range(3)]
+    assert all(c.finish_reason == "length" for c in parsed.choices)
+    assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens,
+            parsed.usage.total_tokens) == (5, 3 + 4 + 5, 5 + 12)
+
+
+def _parse_chunk(cls, data: dict):
+    """Strictly by the client's type; but as the client itself does (its lenient
+    `construct_type`) for a completions chunk without a finish: the type declares
+    finish_reason non-null, while OpenAI's own stream chunks carry null."""
+    from openai._models import construct_type
+
+    if data["choices"] and data["choices"][0].get("finish_reason", "") is None \
+            and "delta" not in data["choices"][0]:
+        return construct_type(type_=cls, value=data)
+    return cls.model_validate(data)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_of_three_choices_parses_with_the_openai_types(chat):
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletionChunk
+
+    formatter = (ChatFormatter if chat else CompletionFormatter)("id-1", "m", 1,
+                                                                  include_usage=True)
+
+    async def run():
+        return [e async for e in sse_events(_relays(), formatter, chat, None, None, 0.0, 5)]
+
+    events = asyncio.run(run())
+    assert events[-1] == b"data: [DONE]\n\n"
+    chunks = [_parse_chunk(ChatCompletionChunk if chat else Completion,
+                           json.loads(e[len(b"data: "):])) for e in events[:-1]]
+    texts = {0: "", 1: "", 2: ""}
+    finishes = {}
+    roles = {}
+    for chunk in chunks[:-1]:
+        choice, = chunk.choices
+        texts[choice.index] += (choice.delta.content or "") if chat else choice.text
+        if chat and choice.delta.role:
+            roles[choice.index] = roles.get(choice.index, 0) + 1
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert texts == {i: "".join(f"c{i}w{k} " for k in range(3 + i)) for i in range(3)}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert not chat or roles == {0: 1, 1: 1, 2: 1}
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens) == (5, 12)
+
+
+def test_an_error_in_one_choice_ends_the_stream_and_aborts_the_others():
+    relays = _relays(pauses=(0.01, 0.0, 0.01))
+    relays[1] = FakeRelay("r-1", [TextDelta("x"), TextDelta("", finish_reason=FinishReason.ERROR,
+                                                            error="boom")])
+
+    async def run():
+        return [e async for e in sse_events(relays, CompletionFormatter("i", "m", 1), False,
+                                            None, None, 0.0, 5)]
+
+    events = asyncio.run(run())
+    assert b"boom" in events[-1] and b"[DONE]" not in b"".join(events)
+    assert relays[0].aborted and relays[2].aborted
+
+
+def test_each_choice_is_routed_under_an_internal_request_id_of_its_own(monkeypatch):
+    from ray.serve import context
+
+    seen: list[str] = []
+
+    async def fake_open(engine_stream, hub, request, text_stream, **kwargs):
+        seen.append(context._get_serve_request_context()._internal_request_id)
+        return FakeRelay(request.request_id, [])
+
+    monkeypatch.setattr(choices.Relay, "open", fake_open)
+
+    async def run():
+        context._set_request_context(request_id="req", _internal_request_id="abc")
+        await choices.open_relays(None, None, choices.choice_requests(
+            "c", [1], SamplingParams(), "o", 3), lambda: None)
+        return context._get_serve_request_context()._internal_request_id
+
+    assert asyncio.run(run()) == "abc"  # the request's own context is untouched
+    assert sorted(seen) == ["abc", "abc-1", "abc-2"]
