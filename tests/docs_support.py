@@ -202,6 +202,16 @@ def with_venv(text: str) -> str:
     return re.sub(r"(?<![\w/.])\.venv/", f"{venv}/", text)
 
 
+def _default_sigint() -> None:
+    """In the child, before exec: Ctrl-C as a terminal gives it.
+
+    NOTE: a test run started in the background (`make test &`, a CI runner) has
+    SIGINT ignored, every child inherits that, and a shell cannot undo a signal
+    ignored on entry: `serve run` would then sleep through the tests' Ctrl-C.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -253,7 +263,7 @@ done
             self.proc = subprocess.Popen(
                 [*isolation_prefix(), "bash", str(holder)], stdin=subprocess.PIPE,
                 stdout=log, stderr=subprocess.STDOUT, env=sandbox.env(name, **extra_env), cwd=REPO,
-                start_new_session=True, text=True)
+                start_new_session=True, text=True, preexec_fn=_default_sigint)
         self.closed_log: str | None = None
 
     def run(self, name: str, text: str, lang: str = "bash", timeout_s: float = 120.0) -> StepResult:
@@ -318,7 +328,7 @@ class Foreground:
             self.proc = subprocess.Popen(
                 [*isolation_prefix(), "bash", str(script)], stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, env=sandbox.env(name, **extra_env), cwd=REPO,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=_default_sigint)
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -335,27 +345,17 @@ class Foreground:
                 raise TimeoutError(f"no {pattern!r} after {timeout_s:.0f}s:\n{self.output()[-4000:]}")
             time.sleep(0.2)
 
-    def interrupt(self, timeout_s: float = 90.0, again_after_s: float = 30.0) -> int | None:
-        """Ctrl-C; waits for the shell to end; returns the command's exit status.
-
-        NOTE: once in a while, on a loaded 2-core machine, `serve run` (Ray's CLI,
-        asleep in `time.sleep`) showed no sign of a first SIGINT within 90 s; a user
-        presses Ctrl-C again, and so does this, once, after `again_after_s`.
-        """
-        deadline = time.monotonic() + timeout_s
-        for wait_s in (again_after_s, timeout_s - again_after_s):
-            try:
-                os.killpg(self.proc.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=min(wait_s, max(0.0, deadline - time.monotonic())))
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        else:
+    def interrupt(self, timeout_s: float = 90.0) -> int | None:
+        """Ctrl-C; waits for the shell to end; returns the command's exit status."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
             self.kill()
-            raise subprocess.TimeoutExpired(self.proc.args, timeout_s)
+            raise
         m = re.search(r"^__EXIT__ (\d+)$", self.output(), re.M)
         return int(m.group(1)) if m else None
 
