@@ -41,16 +41,23 @@ def preferred_replica(key: bytes, replica_ids: list[str]) -> str | None:
     return max(replica_ids, key=lambda rid: _score(key, rid))
 
 
-def choose(key: bytes | None, replica_ids: list[str], queue_lens: dict[str, int],
+def choose(key: bytes | None, replica_ids: list[str], queue_lens: dict[str, int | None],
            imbalance_threshold: int) -> str | None:
-    """The replica to prefer for `key`, or None (use the default policy): no key,
-    a queue length unknown (the default policy probes and so learns them), or the
-    preferred replica's queue longer than the shortest by more than the threshold."""
-    if key is None or any(queue_lens.get(rid) is None for rid in replica_ids):
+    """The replica to prefer for `key`, or None (use the default policy): no key, or
+    the preferred replica's queue longer than the shortest known by more than the
+    threshold.
+
+    NOTE: a queue length the router does not know (its cache entries expire after
+    a few idle seconds) does not drop the preference: Serve probes a preferred
+    replica it knows nothing of and passes over it when its queue is full, so the
+    first request after a pause still meets its prefix's blocks."""
+    if key is None:
         return None
     preferred = preferred_replica(key, replica_ids)
     if preferred is None:
         return None
-    if queue_lens[preferred] - min(queue_lens[rid] for rid in replica_ids) > imbalance_threshold:
+    own = queue_lens.get(preferred)
+    known = [n for n in queue_lens.values() if n is not None]
+    if own is not None and known and own - min(known) > imbalance_threshold:
         return None
     return preferred

@@ -30,14 +30,18 @@ def test_rendezvous_moves_only_the_keys_of_a_lost_replica():
     assert moved and all(before[k] == "r2" for k in moved)
 
 
-def test_the_preference_yields_to_load_and_to_unknown_queues():
+def test_the_preference_yields_to_load_but_not_to_unknown_queues():
     key = prefix_key(SYSTEM, 256, 16)
     ids = ["r1", "r2"]
     preferred = preferred_replica(key, ids)
     other = next(r for r in ids if r != preferred)
     assert choose(key, ids, {preferred: 10, other: 2}, imbalance_threshold=8) == preferred
     assert choose(key, ids, {preferred: 11, other: 2}, imbalance_threshold=8) is None
-    assert choose(key, ids, {preferred: 0, other: None}, imbalance_threshold=8) is None
+    # NOTE: a length the router does not know keeps the preference (Serve probes it)
+    assert choose(key, ids, {preferred: 0, other: None}, imbalance_threshold=8) == preferred
+    assert choose(key, ids, {preferred: None, other: 2}, imbalance_threshold=8) == preferred
+    assert choose(key, ids, {preferred: None, other: None}, imbalance_threshold=8) == preferred
+    assert choose(key, ids, {preferred: 11, other: None}, imbalance_threshold=8) == preferred
     assert choose(None, ids, {preferred: 0, other: 0}, imbalance_threshold=8) is None
 
 
