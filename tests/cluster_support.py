@@ -2,7 +2,9 @@
 polling.
 
 Not a test module. Each test module builds ONE app (module-scoped fixture) and
-always shuts Serve and Ray down, so modules never share or leak a cluster.
+always shuts Serve down. The local Ray under it is shared by consecutive modules
+marked `shared_ray` (a start costs seconds on 2 cores): tests/conftest.py shuts it
+down before the first test that is not, so no other test sees it.
 """
 from __future__ import annotations
 
@@ -19,26 +21,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def serve_app(app_args: dict, engine_factory=None, num_cpus: int = 4):
-    """Start local Ray + Serve on a free port with one app; yield the base URL."""
+SHARED_RAY_CPUS = 4
+# NOTE: Ray exports what workers record every 10 s by default; tests that scrape
+# the metrics wait for an export, so export every second.
+_SHARED_RAY_SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000}
+_shared_ray_started = False
+
+
+def shared_ray() -> None:
+    """Start the shared local Ray, unless it is running."""
+    global _shared_ray_started
     import ray
+
+    if _shared_ray_started and ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, _system_config=_SHARED_RAY_SYSTEM_CONFIG)
+    _shared_ray_started = True
+
+
+def shut_down_shared_ray() -> None:
+    global _shared_ray_started
+    if not _shared_ray_started:
+        return
+    import ray
+
+    _shared_ray_started = False
+    ray.shutdown()
+
+
+@contextlib.contextmanager
+def serve_app(app_args: dict):
+    """Start Serve on a free port of the shared local Ray with one app; yield the
+    base URL. Serve shuts down afterwards; Ray stays for the next module."""
     from ray import serve
 
     from cluster.app import AppArgs, make_app
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    shared_ray()
     try:
-        if engine_factory is not None:
-            # tests/ is not an installed package: ship the fake by value.
-            import sys
-
-            ray.cloudpickle.register_pickle_by_value(sys.modules[engine_factory.__module__])
         # NOTE: the port is picked after Ray started, whose processes take ports too.
         port = _start_serve_on_a_free_port(free_port())
-        serve.run(make_app(AppArgs.model_validate(app_args), engine_factory=engine_factory),
+        serve.run(make_app(AppArgs.model_validate(app_args)),
                   name="stepstream", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base)
@@ -46,7 +71,6 @@ def serve_app(app_args: dict, engine_factory=None, num_cpus: int = 4):
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
-        ray.shutdown()
 
 
 def _start_serve_on_a_free_port(port: int, num_tries: int = 3, **start_options) -> int:

@@ -19,3 +19,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the test's own teardown (its module's Serve app is down by then): shut
+    the shared local Ray down unless the next test shares it too."""
+    result = yield
+    if nextitem is None or nextitem.get_closest_marker("shared_ray") is None:
+        import cluster_support
+
+        cluster_support.shut_down_shared_ray()
+    return result

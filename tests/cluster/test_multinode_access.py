@@ -140,6 +140,9 @@ def test_a_driver_without_the_clusters_token_cannot_connect(cluster, tmp_path, m
     env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token
     if mode:
         env["RAY_AUTH_MODE"] = mode
+    # NOTE: a refused driver retries its connection once a second, 20 times by
+    # default; two tries show the refusal as well.
+    env["RAY_gcs_server_port_wait_time_s"] = "2"
     result = subprocess.run([sys.executable, "-c", _CONNECT.format(address=cluster.address)],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "connected" not in result.stdout, result.stdout

@@ -124,7 +124,7 @@ def test_prompts_sharing_a_prefix_meet_on_one_replica_across_nodes(cluster, engi
                 assert c.post(cluster.base + "/v1/completions", json=body).status_code == 200
         served = {rid: s["num_requests_admitted"] - before[rid]
                   for rid, s in pinned_stats(engine, timeout_s=10).items()}
-        # The first may go anywhere (queue lengths not known yet); the rest follow it.
+        # All go to the prefix's replica unless it is much busier: allow one elsewhere.
         assert sum(served.values()) == 6 and max(served.values()) >= 5, served
 
 

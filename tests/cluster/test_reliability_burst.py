@@ -23,7 +23,7 @@ from cluster.wire import EngineRequest, encode_request
 from cluster_support import engine_handle, serve_app, wait_until
 from reliability_support import engine_replica_ids, stream_request
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
 MAX_NUM_SEQS = 2
@@ -40,7 +40,7 @@ APP_ARGS = {"model": MODEL, "num_engine_replicas": 2, "engine_num_cpus": 0.5,
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_app(APP_ARGS, num_cpus=3) as base:
+    with serve_app(APP_ARGS) as base:
         yield base
 
 

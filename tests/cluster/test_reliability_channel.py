@@ -19,7 +19,7 @@ from cluster_support import engine_handle, serve_app, wait_until
 from reliability_support import (engine_replica_ids, pinned_stats, is_idle, is_openai_error,
                                  replica_actor_name, stream_request)
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
 APP_ARGS = {"model": MODEL, "engine_num_cpus": 0.5, "ingress_num_cpus": 0.5, "num_threads": 1,
@@ -31,7 +31,7 @@ APP_ARGS = {"model": MODEL, "engine_num_cpus": 0.5, "ingress_num_cpus": 0.5, "nu
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_app(APP_ARGS, num_cpus=3) as base:
+    with serve_app(APP_ARGS) as base:
         yield base
 
 

@@ -19,7 +19,7 @@ import pytest
 from cluster_support import engine_handle, serve_app, wait_healthy
 from reliability_support import stream_request
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
 MAX_TOKENS = 240
@@ -33,7 +33,7 @@ APP_ARGS = {"model": MODEL, "num_engine_replicas": 2, "engine_num_cpus": 1,
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_app(APP_ARGS, num_cpus=4) as base:
+    with serve_app(APP_ARGS) as base:
         yield base
 
 

@@ -24,7 +24,7 @@ from loadtests.openai_stream import StreamParser
 from reliability_support import (engine_stats, greedy_texts, is_idle, is_openai_error,
                                  stream_request)
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
 VOCAB_SIZE = 8192
@@ -38,7 +38,7 @@ VICTIM_TOKENS = 240
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_app(APP_ARGS, num_cpus=3) as base:
+    with serve_app(APP_ARGS) as base:
         yield base
 
 

@@ -19,7 +19,7 @@ from fuzz_bodies import MAX_MODEL_LEN, hostile_bodies
 from reliability_support import (engine_stats, gather_bounded, greedy_texts, is_idle,
                                  is_openai_error, stream_request)
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
 API_KEY = "rel-key-7f3a9c"
@@ -36,7 +36,7 @@ PROMPTS = [f"Story {i}: the {['cat', 'dog', 'owl', 'fox'][i % 4]} went to" for i
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_app(APP_ARGS, num_cpus=3) as base:
+    with serve_app(APP_ARGS) as base:
         yield base
 
 
