@@ -6,7 +6,8 @@ queue bounds, routing and aborts count and treat every one. The first choice is
 admitted alone and the rest once it has its first token: its prompt's full KV
 blocks are then in the prefix cache, and the others prefill only what is past
 them (cluster/prefix_affinity.py sends them to the same replica). A refusal of any
-choice aborts the others and is the request's answer.
+choice is the request's answer at once and aborts the others; a client gone while
+they open aborts every one admitted.
 
 `merged_text_deltas` interleaves the choices' text deltas as they come, each with
 its index; each choice's deltas still merge in its collector while the reader is
@@ -42,31 +43,36 @@ def choice_requests(request_id: str, prompt_ids: list[int], params: SamplingPara
 async def open_relays(engine_stream, hub: ChannelHub, requests: list[EngineRequest],
                       new_text_stream: Callable[[], object], timeout_s: float | None = None,
                       queue_timeout_s: float | None = None) -> list[Relay]:
-    """One open relay per request, in order. Raises the first refusal (ApiError)
-    after aborting every request already admitted."""
+    """One open relay per request, in order. On the first refusal (ApiError), or when
+    cancelled (the client left), the opens still waiting stop and every request
+    already admitted is aborted; then the refusal (or the cancel) is raised."""
     async def open_one(index: int, request: EngineRequest) -> Relay:
         if index:
             _own_serve_request_id(index)
         return await Relay.open(engine_stream, hub, request, new_text_stream(),
                                 timeout_s=timeout_s, queue_timeout_s=queue_timeout_s)
 
-    relays = [await open_one(0, requests[0])]
+    first = await open_one(0, requests[0])
     if len(requests) == 1:
-        return relays
+        return [first]
+    # NOTE: each task runs with a copy of this context (its own internal request id)
+    rest = [asyncio.ensure_future(open_one(i, r)) for i, r in enumerate(requests) if i]
     try:
-        # NOTE: gather runs each in a task of its own, with a copy of this context
-        rest = await asyncio.gather(*(open_one(i, r) for i, r in enumerate(requests) if i),
-                                    return_exceptions=True)
-    except BaseException:  # cancelled: each open of `rest` closed itself
-        relays[0].abort()
-        raise
-    relays += [r for r in rest if not isinstance(r, BaseException)]
-    refusal = next((r for r in rest if isinstance(r, BaseException)), None)
-    if refusal is not None:
-        for relay in relays:
-            relay.abort()
+        await asyncio.wait(rest, return_when=asyncio.FIRST_EXCEPTION)
+        refusal = next((t.exception() for t in rest
+                        if t.done() and not t.cancelled() and t.exception()), None)
+        if refusal is None:
+            return [first] + [t.result() for t in rest]
         raise refusal
-    return relays
+    except BaseException:
+        for task in rest:
+            task.cancel()  # an open cancelled midway closes its own relay
+        await asyncio.gather(*rest, return_exceptions=True)
+        first.abort()
+        for task in rest:
+            if not task.cancelled() and task.exception() is None:
+                task.result().abort()
+        raise
 
 
 def _own_serve_request_id(index: int) -> None:

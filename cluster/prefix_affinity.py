@@ -57,7 +57,7 @@ def choose(key: bytes | None, replica_ids: list[str], queue_lens: dict[str, int 
     if preferred is None:
         return None
     own = queue_lens.get(preferred)
-    known = [n for n in queue_lens.values() if n is not None]
-    if own is not None and known and own - min(known) > imbalance_threshold:
-        return None
-    return preferred
+    if own is None:
+        return preferred
+    shortest = min(n for rid in replica_ids if (n := queue_lens.get(rid)) is not None)
+    return None if own - shortest > imbalance_threshold else preferred

@@ -112,6 +112,61 @@ def test_a_refused_choice_aborts_the_admitted_ones(monkeypatch):
     assert all(r.aborted for r in opened)
 
 
+def _hanging_opens(monkeypatch, refuse_suffix: str | None = None):
+    """Relay.open stand-in: `-1` opens at once, `refuse_suffix` is refused at once,
+    the rest wait for their first token forever. (opened relays, cancelled opens)"""
+    opened: list[FakeRelay] = []
+    cancelled: list[str] = []
+
+    async def fake_open(engine_stream, hub, request, text_stream, **kwargs):
+        rid = request.request_id
+        if refuse_suffix and rid.endswith(refuse_suffix):
+            raise ApiError(429, "busy", code="overloaded")
+        if not rid.endswith(("-0", "-1")):
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(rid)
+                raise
+        relay = FakeRelay(rid, [])
+        opened.append(relay)
+        return relay
+
+    monkeypatch.setattr(choices.Relay, "open", fake_open)
+    return opened, cancelled
+
+
+def test_a_refusal_is_answered_at_once_while_other_choices_wait(monkeypatch):
+    opened, cancelled = _hanging_opens(monkeypatch, refuse_suffix="-3")
+    requests = choices.choice_requests("c", [1], SamplingParams(), "o", 4)
+
+    async def run():
+        return await asyncio.wait_for(choices.open_relays(None, None, requests, lambda: None), 5)
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(run())
+    assert e.value.status == 429
+    assert cancelled == ["c-2"]
+    assert [r.request_id for r in opened] == ["c-0", "c-1"] and all(r.aborted for r in opened)
+
+
+def test_a_client_gone_while_choices_open_aborts_the_ones_admitted(monkeypatch):
+    opened, cancelled = _hanging_opens(monkeypatch)
+    requests = choices.choice_requests("c", [1], SamplingParams(), "o", 3)
+
+    async def run():
+        task = asyncio.ensure_future(choices.open_relays(None, None, requests, lambda: None))
+        while len(opened) < 2:
+            await asyncio.sleep(0.001)
+        task.cancel()  # what Serve does to the request when its client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert cancelled == ["c-2"]
+    assert [r.request_id for r in opened] == ["c-0", "c-1"] and all(r.aborted for r in opened)
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_body_of_three_choices_parses_with_the_openai_types(chat):
     from openai.types import Completion
