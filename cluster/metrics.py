@@ -36,13 +36,13 @@ class IngressMetrics:
             boundaries=_LATENCY_S, tag_keys=("model",))
         self.tpot_s = metrics.Histogram(
             "stepstream_time_per_output_token_seconds",
-            "(latency - TTFT) / (output tokens - 1) per request",
+            "(latency - TTFT) / (output tokens - 1) per streamed choice",
             boundaries=_LATENCY_S, tag_keys=("model",))
         self.itl_s = metrics.Histogram(
-            "stepstream_inter_chunk_latency_seconds", "Gap between streamed chunks",
+            "stepstream_inter_chunk_latency_seconds", "Gap between streamed chunks of one choice",
             boundaries=_LATENCY_S, tag_keys=("model",))
         self.tokens_per_event = metrics.Histogram(
-            "stepstream_tokens_per_event", "Mean output tokens per SSE event, per request",
+            "stepstream_tokens_per_event", "Mean output tokens per SSE event, per streamed choice",
             boundaries=_TOKENS, tag_keys=("model",))
         self.output_tokens = metrics.Counter(
             "stepstream_output_tokens", "Output tokens sent to clients", tag_keys=("model",))

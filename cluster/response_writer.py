@@ -49,14 +49,15 @@ def count_tokens(metrics, num_prompt_tokens: int, num_output_tokens: int) -> Non
 
 
 class _Timing:
-    """TTFT, ITL and TPOT of one stream, into the ingress metrics.
+    """TTFT, ITL and TPOT of one choice's stream, into the ingress metrics.
 
     NOTE: one Ray metric record per event (the ITL) and a few per stream: a
     record costs more than formatting the event itself."""
 
     __slots__ = ("metrics", "started_at", "first_at", "last_at", "num_events")
 
-    def __init__(self, metrics, started_at: float) -> None:
+    def __init__(self, metrics, started_at: float | None) -> None:
+        """`started_at` None: no TTFT (not the request's first choice)."""
         self.metrics = metrics
         self.started_at = started_at
         self.first_at = 0.0
@@ -69,7 +70,8 @@ class _Timing:
         now = time.monotonic()
         if self.num_events == 0:
             self.first_at = now
-            self.metrics.ttft_s.observe(now - self.started_at)
+            if self.started_at is not None:
+                self.metrics.ttft_s.observe(now - self.started_at)
         else:
             self.metrics.itl_s.observe(now - self.last_at)
         self.last_at = now
@@ -88,8 +90,11 @@ class _Timing:
 async def sse_events(relays: list[Relay], formatter, chat: bool, token_text: TokenText | None,
                      metrics, started_at: float, num_prompt_tokens: int) -> AsyncIterator[bytes]:
     """The events of the request whose choices `relays` read (one per choice);
-    usage counts the prompt once and every choice's output tokens."""
-    timing = _Timing(metrics, started_at)
+    usage counts the prompt once and every choice's output tokens.
+
+    NOTE: each choice has its own ITL and TPOT; the first choice's first token is
+    the request's (the others are admitted once it came: cluster/choices.py)."""
+    timings = [_Timing(metrics, started_at if i == 0 else None) for i in range(len(relays))]
     text_offsets = [0] * len(relays)
     num_output_tokens = [0] * len(relays)
     try:
@@ -107,11 +112,12 @@ async def sse_events(relays: list[Relay], formatter, chat: bool, token_text: Tok
                 if td.text or td.finish_reason is not None or logprobs is not None:
                     yield formatter.chunk_event(td.text, _finish_reason(td), logprobs,
                                                 td.stop_reason, i)
-                    timing.event()
+                    timings[i].event()
         if formatter.include_usage:
             yield formatter.usage_event(num_prompt_tokens, sum(num_output_tokens))
         yield DONE_EVENT
-        timing.finish(sum(num_output_tokens))
+        for timing, n in zip(timings, num_output_tokens):
+            timing.finish(n)
     except (asyncio.CancelledError, GeneratorExit):
         raise
     except Exception:

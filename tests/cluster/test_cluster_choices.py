@@ -241,6 +241,33 @@ def test_an_error_in_one_choice_ends_the_stream_and_aborts_the_others():
     assert relays[0].aborted and relays[2].aborted
 
 
+class _Recorded:
+    def __init__(self):
+        self.values: list[float] = []
+
+    def observe(self, value: float) -> None:
+        self.values.append(value)
+
+
+def test_each_choice_has_its_own_itl_and_tpot_and_the_request_one_ttft():
+    from types import SimpleNamespace
+
+    metrics = SimpleNamespace(ttft_s=_Recorded(), itl_s=_Recorded(), tpot_s=_Recorded(),
+                              tokens_per_event=_Recorded(), count_tokens=lambda p, o: None)
+    relays = _relays(pauses=(0.01, 0.01, 0.01))  # 3, 4 and 5 events of one token
+
+    async def run():
+        return [e async for e in sse_events(relays, CompletionFormatter("i", "m", 1), False,
+                                            None, metrics, 0.0, 5)]
+
+    asyncio.run(run())
+    assert len(metrics.ttft_s.values) == 1
+    assert len(metrics.itl_s.values) == 2 + 3 + 4
+    assert len(metrics.tpot_s.values) == 3 and metrics.tokens_per_event.values == [1.0] * 3
+    # each choice's tokens came about 10 ms apart (all choices interleaved: ~3 ms)
+    assert min(metrics.tpot_s.values) > 0.005 and min(metrics.itl_s.values) > 0.005
+
+
 def test_each_choice_is_routed_under_an_internal_request_id_of_its_own(monkeypatch):
     from ray.serve import context
 
