@@ -152,6 +152,11 @@ class SamplingParams:
                            max(float(self.repetition_penalty), MIN_REPETITION_PENALTY))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         check_structured_output(self.structured_output)
+        if self.structured_output is not None and (self.ignore_eos or self.min_tokens):
+            # NOTE: a complete grammar allows only EOS: banning it leaves no token at all
+            raise InvalidValue("structured outputs end where their grammar ends: they do "
+                               "not combine with ignore_eos or min_tokens > 0",
+                               "structured_output")
         try:
             object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
         except ValueError:

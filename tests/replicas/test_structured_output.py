@@ -130,6 +130,14 @@ def test_malformed_specs_are_refused_by_sampling_params(spec):
         SamplingParams(structured_output=spec)
 
 
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 3}])
+def test_a_grammar_refuses_ignore_eos_and_min_tokens(extra):
+    """A complete grammar allows only EOS: with EOS banned no token would be left."""
+    with pytest.raises(InvalidValue, match="ignore_eos or min_tokens") as info:
+        SamplingParams(max_tokens=8, structured_output={"regex": "[ab]{2}"}, **extra)
+    assert info.value.param == "structured_output"
+
+
 def test_compile_past_its_time_is_refused(engine):
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]{3,9}$"}
                                                for i in range(200)}}
