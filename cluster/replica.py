@@ -102,13 +102,18 @@ class EngineReplica:
         except ValueError as e:  # NOTE: decoding runs SamplingParams' own checks
             self._counts.num_requests_refused += 1
             raise ReplicaRejected(str(e)) from None
+        try:
+            grammar = await self._engine.compile_grammar(req.sampling_params)
+        except ValueError as e:  # a schema or grammar that does not compile in time
+            self._counts.num_requests_refused += 1
+            raise ReplicaRejected(str(e)) from None
         if self._max_admitted is not None and self._num_admitted >= self._max_admitted:
             self._counts.num_requests_refused += 1
             raise ReplicaOverloaded(f"{self._num_admitted} requests are admitted on this "
                                     f"replica, its bound", 1.0)
         self._start_sweeper()
         outbox = self._outboxes.get(req.owner)
-        done = self._admit(req, outbox)
+        done = self._admit(req, outbox, grammar)
         self._counts.num_requests_admitted += 1
         self._num_admitted += 1
         finished = False
@@ -127,13 +132,13 @@ class EngineReplica:
             else:
                 self._counts.num_requests_cancelled += 1
 
-    def _admit(self, req: EngineRequest, outbox: StepOutbox) -> asyncio.Future:
+    def _admit(self, req: EngineRequest, outbox: StepOutbox, grammar) -> asyncio.Future:
         from replicas.async_engine import EngineDeadError, EngineOverloaded
 
         done = outbox.add(req.request_id)
         try:
             self._engine.submit(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                OutboxSink(outbox, req.request_id))
+                                OutboxSink(outbox, req.request_id), grammar)
         except BaseException as e:
             outbox.discard(req.request_id)
             self._counts.num_requests_refused += 1

@@ -22,6 +22,7 @@ from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_core import EngineCore
 from replicas.engine_stats import EngineStats
 from replicas.request import Request
+from replicas.structured_output import GrammarMatcher
 
 logger = logging.getLogger("stepstream")
 
@@ -79,8 +80,15 @@ class AsyncEngine:
         return list(self.core.eos_token_ids)
 
     # -- requests -------------------------------------------------------------
+    async def compile_grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        """The structured output of `params` compiled without blocking the event loop
+        (None without one), for `submit`; raises InvalidValue naming the problem."""
+        if params.structured_output is None:
+            return None
+        return await self.core.grammars.compile_async(params.structured_output)
+
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               sink: DeltaSink) -> None:
+               sink: DeltaSink, grammar: GrammarMatcher | None = None) -> None:
         """Queue a request whose deltas go to `sink` (one `put` per step, merged by
         the sink while its reader is behind). Raises before queueing: ValueError
         for bad input, EngineOverloaded past the queue bounds, EngineDeadError.
@@ -90,7 +98,7 @@ class AsyncEngine:
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_overload(len(prompt_token_ids) if isinstance(prompt_token_ids, list) else 0)
-        req = self.core.make_request(request_id, prompt_token_ids, params, sink)
+        req = self.core.make_request(request_id, prompt_token_ids, params, sink, grammar)
         self._active[request_id] = sink
         with self._queue_lock:
             self._queued_adds[request_id] = req
@@ -106,8 +114,9 @@ class AsyncEngine:
                        params: SamplingParams) -> AsyncIterator[TokenDelta]:
         """Stream one request's deltas (DELTA, CUMULATIVE or FINAL_ONLY, as its
         params say). Closing or cancelling the stream aborts the request."""
+        grammar = await self.compile_grammar(params)
         collector = DeltaCollector(request_id)
-        self.submit(request_id, prompt_token_ids, params, collector)
+        self.submit(request_id, prompt_token_ids, params, collector, grammar)
         kind = params.output_kind
         is_finished = False
         all_ids: list[int] = []

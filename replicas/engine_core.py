@@ -23,7 +23,7 @@ from replicas.model_runner import ModelRunner
 from replicas.output_processor import OutputProcessor
 from replicas.request import Request, RequestStatus
 from replicas.request_validation import RequestLimits
-from replicas.structured_output import GrammarCompiler
+from replicas.structured_output import GrammarCompiler, GrammarMatcher
 from replicas.sampler import probe_rows
 from replicas.scheduler import Scheduler, SchedulerOutput
 from replicas.sampled_step import StepOutput
@@ -72,11 +72,12 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     sink: DeltaSink) -> Request:
-        """Validate and build a request; raises ValueError naming what is wrong."""
+                     sink: DeltaSink, grammar: GrammarMatcher | None = None) -> Request:
+        """Validate and build a request; raises ValueError naming what is wrong.
+        `grammar`: its structured output, compiled already (else compiled here)."""
         req = self.limits.make_request(request_id, prompt_token_ids, params, sink, self.requests)
         if params.structured_output is not None:
-            req.grammar = self.grammars.compile(params.structured_output)
+            req.grammar = grammar or self.grammars.compile(params.structured_output)
         return req
 
     def add_request(self, req: Request) -> None:

@@ -87,7 +87,7 @@ class SamplingBatch:
     min_tokens: torch.Tensor | None  # (B,) int64
     max_num_logprobs: int  # -1: no row wants logprobs
     # logit_bias of every row as (rows (E,), token ids (E,), biases (E,)): one
-    # scatter-add per step, at every step of a window
+    # accumulating index_put per step (into a copy), at every step of a window
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -215,7 +215,8 @@ def _top_k_top_p(logits: torch.Tensor, sb: SamplingBatch, rows: slice) -> torch.
 
 def adjusted_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Penalties and logit_bias applied, stop tokens banned while min_tokens is
-    not reached. Never in place: the raw logits stay intact for logprobs."""
+    not reached. Never in place: the logits it was given stay intact for logprobs
+    (for a constrained row, those are already masked by its grammar)."""
     if sb.output_counts is not None:
         logits = _apply_penalties(logits, sb)
     if sb.logit_bias is not None:

@@ -13,6 +13,7 @@ after the step's host sync), so the mask always comes from the previous token.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from replicas.config import InvalidValue, check_structured_output
+from replicas.config import InvalidValue
 
 COMPILE_TIMEOUT_S = 2.0
 # NOTE: compact JSON: with flexible whitespace a sampled model may pad forever.
@@ -60,21 +61,32 @@ class GrammarCompiler:
                                                  eos_token=list(eos_token_ids))
             except Exception:  # noqa: BLE001 - serve without structured outputs
                 logger.exception("structured outputs are off: llguidance cannot read %s", path)
-        self.vocab_size = vocab_size
 
     def compile(self, spec: dict, timeout_s: float = COMPILE_TIMEOUT_S) -> "GrammarMatcher":
-        """A fresh matcher for `spec`; raises InvalidValue naming the problem."""
-        check_structured_output(spec)
-        if self.tokenizer is None:
-            raise InvalidValue("structured outputs need the model's tokenizer.json and an "
-                               "end-of-sequence token", _PARAM)
-        future = _compile_pool.submit(self._compile, spec)
+        """A fresh matcher for a checked `spec` (SamplingParams checked it), waited
+        for here; raises InvalidValue naming the problem."""
+        future = self._submit(spec)
         try:
             return future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
-            # NOTE: the worker cannot be killed; llguidance's fuel limits end it.
-            raise InvalidValue(f"{_PARAM} could not be compiled within {timeout_s:g} s; "
-                               "simplify the schema or grammar", _PARAM) from None
+            future.cancel()
+            raise _too_slow(timeout_s) from None
+
+    async def compile_async(self, spec: dict,
+                            timeout_s: float = COMPILE_TIMEOUT_S) -> "GrammarMatcher":
+        """The same, awaited: an engine replica admits on its event loop, which must
+        not stop while a schema compiles (every stream of the replica would wait)."""
+        future = self._submit(spec)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except asyncio.TimeoutError:
+            raise _too_slow(timeout_s) from None
+
+    def _submit(self, spec: dict) -> concurrent.futures.Future:
+        if self.tokenizer is None:
+            raise InvalidValue("structured outputs need the model's tokenizer.json and an "
+                               "end-of-sequence token", _PARAM)
+        return _compile_pool.submit(self._compile, spec)
 
     def _compile(self, spec: dict) -> "GrammarMatcher":
         llg = self._llg
@@ -82,6 +94,12 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidValue(f"{_PARAM} does not compile: {matcher.get_error()}", _PARAM)
         return GrammarMatcher(matcher)
+
+
+def _too_slow(timeout_s: float) -> InvalidValue:
+    # NOTE: a compile past its time cannot be killed; llguidance's fuel limits end it.
+    return InvalidValue(f"{_PARAM} could not be compiled within {timeout_s:g} s; "
+                        "simplify the schema or grammar", _PARAM)
 
 
 class GrammarMatcher:
@@ -93,8 +111,8 @@ class GrammarMatcher:
         self.matcher = matcher
 
     def accept(self, token_id: int) -> None:
-        # NOTE: once stopped (its EOS sampled) any later token is one the engine
-        # drops (a window's extra steps), so it is not fed to the matcher.
+        # NOTE: once stopped (EOS consumed, or an error) any later token is one the
+        # engine drops (a window's extra steps), so it is not fed to the matcher.
         if not self.matcher.is_stopped():
             self.matcher.consume_token(token_id)
 
@@ -113,7 +131,6 @@ class GrammarBatch:
             GrammarBatch._executor = llg.LLExecutor()
         self.pairs = [(g.matcher, i) for i, g in enumerate(matchers)]
         self.rows = torch.tensor(row_indices, dtype=torch.int64, device=device)
-        self.vocab_size = vocab_size
         self.bitmask = llt.allocate_token_bitmask(len(matchers), vocab_size)
         self.byte_bias = _byte_bias_table(device)
 

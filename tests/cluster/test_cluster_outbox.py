@@ -30,7 +30,10 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.released: list[str] = []
 
-    def submit(self, request_id, prompt_token_ids, params, sink) -> None:
+    async def compile_grammar(self, params):
+        return None
+
+    def submit(self, request_id, prompt_token_ids, params, sink, grammar=None) -> None:
         from replicas.async_engine import EngineOverloaded
 
         if not prompt_token_ids:

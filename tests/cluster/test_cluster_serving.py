@@ -670,6 +670,8 @@ def test_structured_outputs_regex_and_choice_stream(client):
      "response_format", "invalid JSON schema at required"),
     ({"structured_outputs": {"regex": "[a-z"}}, None, "unclosed character class"),
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, None, "missing_rule"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format",
+     "do not combine with ignore_eos"),
 ])
 def test_bad_schemas_and_grammars_are_400s_naming_the_problem(server, extra, param, words):
     body = {"model": "tiny", "messages": STRUCTURED_MESSAGES, "max_tokens": 8, **extra}

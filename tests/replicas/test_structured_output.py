@@ -145,6 +145,45 @@ def test_compile_past_its_time_is_refused(engine):
         engine.core.grammars.compile({"json": schema}, timeout_s=1e-6)
 
 
+def test_an_awaited_compile_leaves_the_event_loop_running(engine, monkeypatch):
+    """An engine replica admits on its event loop: a slow compile must not stop it
+    (every stream of the replica would wait), and its time limit still holds."""
+    import time
+
+    from replicas.structured_output import GrammarCompiler
+
+    compile_for_real = GrammarCompiler._compile
+
+    def slow_compile(self, spec):
+        time.sleep(0.3)
+        return compile_for_real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow_compile)
+    grammars = engine.core.grammars
+
+    async def run():
+        gaps, done = [], asyncio.Event()
+
+        async def tick():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.ensure_future(tick())
+        matcher = await grammars.compile_async({"regex": "[ab]{2}"})
+        with pytest.raises(InvalidValue, match="could not be compiled within 0.1 s"):
+            await grammars.compile_async({"regex": "[ab]{3}"}, timeout_s=0.1)
+        done.set()
+        await ticker
+        return matcher, max(gaps)
+
+    matcher, longest_gap_s = asyncio.run(run())
+    assert matcher.matcher is not None and not matcher.matcher.is_error()
+    assert longest_gap_s < 0.15, longest_gap_s
+
+
 def test_pipelined_host_copy_keeps_masks_on_the_previous_token():
     """The CUDA ordering (step k enqueued before step k-1's ids are read), run on
     CPU: constrained rows must still see every earlier token before sampling."""
