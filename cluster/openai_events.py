@@ -60,12 +60,6 @@ class _Formatter:
                 "model": self.model, "choices": choices,
                 "usage": usage_dict(num_prompt_tokens, num_output_tokens)}
 
-    def response(self, text: str, finish_reason: str | None, stop_reason,
-                 logprobs: dict | None, num_prompt_tokens: int, num_output_tokens: int) -> dict:
-        """The body of a request with one choice."""
-        return self.response_of([self.choice(0, text, finish_reason, stop_reason, logprobs)],
-                                num_prompt_tokens, num_output_tokens)
-
     def _choice_event(self, index: int, content: str, finish_reason, logprobs,
                       stop_reason) -> bytes:
         """One chunk event: `content` is the choice's text or delta field."""

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ReplicaCounts:
-    """Totals since the replica started (event loop side only)."""
+    """Totals since the replica started: incremented on the event loop only; the
+    stats thread copies them (reads only)."""
 
     num_requests_admitted: int = 0
     num_requests_refused: int = 0

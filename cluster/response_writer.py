@@ -9,17 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from cluster.errors import ApiError, sse_error_event
 from cluster.choices import merged_text_deltas
 from cluster.relay import Relay, aclosing, is_error
-from cluster.openai_events import DONE_EVENT, chat_logprobs, completion_logprobs
+from cluster.openai_events import DONE_EVENT, TokenText, chat_logprobs, completion_logprobs
 from deltas.types import TextDelta
 
 logger = logging.getLogger("ray.serve")
 
-TokenText = Callable[[int], str]
 
 
 def _engine_failure(text_delta: TextDelta, relay: Relay) -> ApiError:

@@ -125,7 +125,7 @@ def test_chat_chunks_carry_role_first_then_content_then_empty_delta():
     assert json.loads(fmt.chunk_event("lo")[6:])["choices"][0]["delta"] == {"content": "lo"}
     last = json.loads(fmt.chunk_event("", "length")[6:])["choices"][0]
     assert last["delta"] == {} and last["finish_reason"] == "length"
-    body = fmt.response("Hello", "stop", None, None, 4, 2)
+    body = fmt.response_of([fmt.choice(0, "Hello", "stop", None, None)], 4, 2)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
     assert body["usage"]["total_tokens"] == 6 and body["object"] == "chat.completion"
 
