@@ -22,44 +22,44 @@ def free_port() -> int:
 
 
 SHARED_RAY_CPUS = 4
-# NOTE: Ray exports what workers record every 10 s by default; tests that scrape
-# the metrics wait for an export, so export every second.
-_SHARED_RAY_SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000}
-_shared_ray_started = False
+_shared_ray_config: dict | None = None  # the system config of the running shared Ray
 
 
-def shared_ray() -> None:
-    """Start the shared local Ray, unless it is running."""
-    global _shared_ray_started
+def shared_ray(system_config: dict | None = None) -> None:
+    """Start the shared local Ray, unless it runs with this `system_config` (Ray's
+    `_system_config`) already; one with another is shut down first."""
+    global _shared_ray_config
     import ray
 
-    if _shared_ray_started and ray.is_initialized():
+    wanted = dict(system_config or {})
+    if _shared_ray_config == wanted and ray.is_initialized():
         return
+    shut_down_shared_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _system_config=_SHARED_RAY_SYSTEM_CONFIG)
-    _shared_ray_started = True
+             configure_logging=False, _system_config=wanted)
+    _shared_ray_config = wanted
 
 
 def shut_down_shared_ray() -> None:
-    global _shared_ray_started
-    if not _shared_ray_started:
+    global _shared_ray_config
+    if _shared_ray_config is None:
         return
     import ray
 
-    _shared_ray_started = False
+    _shared_ray_config = None
     ray.shutdown()
 
 
 @contextlib.contextmanager
-def serve_app(app_args: dict):
+def serve_app(app_args: dict, system_config: dict | None = None):
     """Start Serve on a free port of the shared local Ray with one app; yield the
     base URL. Serve shuts down afterwards; Ray stays for the next module."""
     from ray import serve
 
     from cluster.app import AppArgs, make_app
 
-    shared_ray()
+    shared_ray(system_config)
     try:
         # NOTE: the port is picked after Ray started, whose processes take ports too.
         port = _start_serve_on_a_free_port(free_port())

@@ -31,7 +31,9 @@ PROMPT = "Once upon a time there was a little"
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_app(APP_ARGS) as base:
+    # NOTE: Ray exports what workers record every 10 s by default; the metrics tests
+    # wait for an export, so here it exports every second.
+    with serve_app(APP_ARGS, system_config={"metrics_report_interval_ms": 1000}) as base:
         yield base
 
 
@@ -466,7 +468,7 @@ def test_non_streaming_requests_count_their_tokens(server):
     import ray
 
     port = ray._private.worker.global_worker.node.metrics_export_port
-    # NOTE: Ray exports what workers recorded every second here (tests/cluster_support.py):
+    # NOTE: Ray exports what workers recorded every second here (see `server`):
     # start from totals that held still over more than one export, so no earlier
     # test's tokens arrive in between.
     before = _scraped_totals(port)

@@ -80,8 +80,10 @@ def test_a_burst_after_idleness_never_stalls_on_the_channel(server):
     assert statuses.get(200, 0) >= 2 * MAX_NUM_SEQS, statuses
     # Past the admission bound: 429 at once. Requests that were admitted and then
     # starved of their channel would end in the queue timeout instead (836 of 840
-    # with admissions allowed into the slots kept for channels).
-    assert statuses.get("503 queue_timeout", 0) <= num_requests // 10, statuses
+    # with admissions allowed into the slots kept for channels, 437 with channels on
+    # the admissions' handle). Some admitted ones time out in the engine's queue
+    # anyway, more on a busier machine (126 of 840 seen on a 2-core CI run).
+    assert statuses.get("503 queue_timeout", 0) <= num_requests // 4, statuses
     assert slowest < 40.0, "a request waited on a channel queued behind admissions"
 
 
