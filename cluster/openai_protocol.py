@@ -19,7 +19,8 @@ from typing import Literal, Union
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
+# NOTE: plain data: no torch
+from replicas.config import STRUCTURED_OUTPUT_KEYS, InvalidValue, SamplingParams
 
 MAX_STOP_STRINGS = 16
 # Choices of one request, as OpenAI bounds `n`; each runs as an engine request of
@@ -72,12 +73,10 @@ class StructuredOutputs(BaseModel):
 
     def spec(self) -> dict:
         """The engine's `structured_output`; raises InvalidValue."""
-        sent = {k: v for k, v in (("json", self.json_), ("json_object", self.json_object),
-                                  ("regex", self.regex), ("choice", self.choice),
-                                  ("grammar", self.grammar)) if v is not None}
+        sent = self.model_dump(by_alias=True, exclude_none=True)
         if len(sent) != 1:
-            raise InvalidValue("structured_outputs must set exactly one of json, json_object, "
-                               f"regex, choice, grammar; got {sorted(sent) or 'none'}",
+            raise InvalidValue(f"structured_outputs must set exactly one of "
+                               f"{', '.join(STRUCTURED_OUTPUT_KEYS)}; got {sorted(sent) or 'none'}",
                                "structured_outputs")
         (key, value), = sent.items()
         if key == "json" and isinstance(value, str):

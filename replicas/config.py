@@ -186,7 +186,16 @@ def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted((t, float(b)) for t, b in pairs.items()))
 
 
-STRUCTURED_OUTPUT_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+# Each kind of structured output: what its value must be, and that rule in words.
+_STRUCTURED_OUTPUT_KINDS = {
+    "json": (lambda v: isinstance(v, dict), "a JSON schema object"),
+    "json_object": (lambda v: v is True, "true"),
+    "regex": (lambda v: isinstance(v, str), "a string"),
+    "choice": (lambda v: isinstance(v, list) and bool(v) and all(isinstance(c, str) for c in v),
+               "a non-empty list of strings"),
+    "grammar": (lambda v: isinstance(v, str), "a Lark grammar string"),
+}
+STRUCTURED_OUTPUT_KEYS = tuple(_STRUCTURED_OUTPUT_KINDS)
 
 
 def check_structured_output(spec) -> None:
@@ -197,14 +206,8 @@ def check_structured_output(spec) -> None:
         raise InvalidValue("structured_output must be an object with exactly one of "
                            f"{list(STRUCTURED_OUTPUT_KEYS)}, got {spec!r:.200}", "structured_output")
     (key, value), = spec.items()
-    ok = {"json": isinstance(value, dict), "json_object": value is True,
-          "regex": isinstance(value, str), "grammar": isinstance(value, str),
-          "choice": isinstance(value, list) and bool(value)
-          and all(isinstance(c, str) for c in value)}[key]
-    if not ok:
-        allowed = {"json": "a JSON schema object", "json_object": "true",
-                   "regex": "a string", "grammar": "a Lark grammar string",
-                   "choice": "a non-empty list of strings"}[key]
+    is_valid, allowed = _STRUCTURED_OUTPUT_KINDS[key]
+    if not is_valid(value):
         raise InvalidValue(f"structured_output.{key} must be {allowed}", "structured_output")
     if key == "json":
         import jsonschema  # NOTE: only requests with a schema pay its import
