@@ -157,9 +157,10 @@ class EngineCore:
         counts = []
         for req, token in zip(rows, sampled.token_ids):
             req.output_token_ids.append(token)
+            n = len(req.output_token_ids)
             if req.grammar is not None:
-                req.grammar.accept(token)
-            counts.append(len(req.output_token_ids))
+                req.grammar.accept(token, n)
+            counts.append(n)
         self._window_num_steps_taken += 1
         self.num_steps += 1
         self.last_step_time = time.monotonic()

@@ -18,6 +18,7 @@ from deltas.collector import WakeBatch
 from deltas.types import FinishReason, TokenDelta
 from replicas.request import Request
 from replicas.sampled_step import StepOutput
+from replicas.structured_output import StructuredOutputError
 
 logger = logging.getLogger("stepstream")
 
@@ -82,6 +83,10 @@ class OutputProcessor:
                 continue  # stopped earlier in this window: its extra tokens drop
             n = counts[i]
             try:
+                grammar = req.grammar
+                if grammar is not None and grammar.error_at is not None and n >= grammar.error_at:
+                    self._fail_row(req, n - 1, StructuredOutputError(grammar.error))
+                    continue
                 token = token_ids[i]
                 reason = None
                 if token in req.stop_token_ids and n > req.params.min_tokens:

@@ -102,19 +102,35 @@ def _too_slow(timeout_s: float) -> InvalidValue:
                         "simplify the schema or grammar", _PARAM)
 
 
-class GrammarMatcher:
-    """One request's parse state; fed each sampled token, in order."""
+class StructuredOutputError(RuntimeError):
+    """A constrained request's grammar failed while it generated."""
 
-    __slots__ = ("matcher",)
+
+class GrammarMatcher:
+    """One request's parse state; fed each sampled token, in order.
+
+    A token the grammar rejects (its mask left none allowed) or a matcher error
+    (llguidance's limits) is remembered with the output token it came at: output
+    processing ends the request there with an error, never a silent stop."""
+
+    __slots__ = ("matcher", "error", "error_at")
 
     def __init__(self, matcher):
         self.matcher = matcher
+        self.error: str | None = None
+        self.error_at: int | None = None  # the output token (1-based) it came at
 
-    def accept(self, token_id: int) -> None:
+    def accept(self, token_id: int, num_output_tokens: int) -> None:
+        if self.error_at is not None:
+            return
+        matcher = self.matcher
         # NOTE: once stopped (EOS consumed, or an error) any later token is one the
         # engine drops (a window's extra steps), so it is not fed to the matcher.
-        if not self.matcher.is_stopped():
-            self.matcher.consume_token(token_id)
+        ok = matcher.consume_token(token_id) if not matcher.is_stopped() else True
+        if not ok or matcher.is_error():
+            self.error = (f"the structured output's grammar failed at output token "
+                          f"{num_output_tokens}: {matcher.get_error() or 'token rejected'}")
+            self.error_at = num_output_tokens
 
 
 class GrammarBatch:

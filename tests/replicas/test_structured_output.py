@@ -184,6 +184,37 @@ def test_an_awaited_compile_leaves_the_event_loop_running(engine, monkeypatch):
     assert longest_gap_s < 0.15, longest_gap_s
 
 
+def test_a_grammar_that_fails_ends_its_request_with_an_error(monkeypatch):
+    """Without its mask a row samples what its grammar rejects: the request ends
+    with an error delta at that token (not a silent stop); its neighbour completes."""
+    from replicas.structured_output import GrammarBatch
+
+    monkeypatch.setattr(GrammarBatch, "mask_logits_", lambda self, logits: None)
+    eng = AsyncEngine(EngineConfig(model="tiny", num_scheduler_steps=4))
+
+    async def run(request_id, params):
+        ids, last = [], None
+        async for delta in eng.generate(request_id, [5, 6, 7], params):
+            ids += delta.token_ids
+            last = delta
+        return ids, last
+
+    async def main():
+        return await asyncio.gather(
+            run("bad", SamplingParams(temperature=1.0, seed=3, max_tokens=40,
+                                      structured_output={"regex": "a{30}"})),
+            run("free", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)))
+    try:
+        (bad_ids, bad), (free_ids, free) = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert bad.finish_reason == FinishReason.ERROR
+    assert "structured output's grammar failed at output token" in bad.error, bad.error
+    failed_at = int(bad.error.split("output token ")[1].split(":")[0])
+    assert bad.num_output_tokens == failed_at - 1 == len(bad_ids)
+    assert free.finish_reason == FinishReason.LENGTH and len(free_ids) == 12
+
+
 def test_pipelined_host_copy_keeps_masks_on_the_previous_token():
     """The CUDA ordering (step k enqueued before step k-1's ids are read), run on
     CPU: constrained rows must still see every earlier token before sampling."""
