@@ -154,17 +154,20 @@ class EngineCore:
     def _on_step(self, step: int, rows: list[Request], sampled: StepOutput) -> None:
         """Take one step's sampled tokens, right after its host sync, and hand the
         step to output processing (which may run on its own thread)."""
-        counts = []
+        counts, failed = [], None
         for req, token in zip(rows, sampled.token_ids):
             req.output_token_ids.append(token)
             n = len(req.output_token_ids)
             if req.grammar is not None:
-                req.grammar.accept(token, n)
+                error = req.grammar.accept(token, n)
+                if error is not None:
+                    failed = failed or {}
+                    failed[req] = error
             counts.append(n)
         self._window_num_steps_taken += 1
         self.num_steps += 1
         self.last_step_time = time.monotonic()
-        self.output.submit(rows, sampled, counts, step == self._window_num_steps - 1)
+        self.output.submit(rows, sampled, counts, step == self._window_num_steps - 1, failed)
 
     def _isolate_failure(self, sched: SchedulerOutput, error: Exception) -> None:
         """A step raised: fail only the requests it is tied to (replicas/step_isolation.py)

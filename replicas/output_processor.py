@@ -18,7 +18,6 @@ from deltas.collector import WakeBatch
 from deltas.types import FinishReason, TokenDelta
 from replicas.request import Request
 from replicas.sampled_step import StepOutput
-from replicas.structured_output import StructuredOutputError
 
 logger = logging.getLogger("stepstream")
 
@@ -36,12 +35,14 @@ class OutputProcessor:
 
     # -- engine-thread side ---------------------------------------------------
     def submit(self, rows: list[Request], sampled: StepOutput, counts: list[int],
-               is_window_end: bool) -> None:
+               is_window_end: bool, failed: dict[Request, str] | None = None) -> None:
+        """`failed`: requests whose token of this step must not go out (their grammar
+        failed on it), with why; None almost always."""
         if self._executor is None:
-            self.process_step(rows, sampled, counts, is_window_end)
+            self.process_step(rows, sampled, counts, is_window_end, failed)
             return
         self._pending.append(self._executor.submit(self.process_step, rows, sampled, counts,
-                                                   is_window_end))
+                                                   is_window_end, failed))
 
     def wait(self, max_pending_steps: int = 0) -> None:
         """Block until at most `max_pending_steps` submitted steps are unprocessed."""
@@ -65,13 +66,13 @@ class OutputProcessor:
 
     # -- the per-step loop (output thread when async) ---------------------------
     def process_step(self, rows: list[Request], sampled: StepOutput, counts: list[int],
-                     is_window_end: bool) -> None:
+                     is_window_end: bool, failed: dict[Request, str] | None = None) -> None:
         start = time.thread_time()
-        self._process_step(rows, sampled, counts, is_window_end)
+        self._process_step(rows, sampled, counts, is_window_end, failed)
         self.cpu_time_s += time.thread_time() - start
 
     def _process_step(self, rows: list[Request], sampled: StepOutput, counts: list[int],
-                      is_window_end: bool) -> None:
+                      is_window_end: bool, failed: dict[Request, str] | None) -> None:
         notify = self.release_per_step or is_window_end
         with_logprobs = sampled.has_logprobs
         token_ids = sampled.token_ids
@@ -83,9 +84,8 @@ class OutputProcessor:
                 continue  # stopped earlier in this window: its extra tokens drop
             n = counts[i]
             try:
-                grammar = req.grammar
-                if grammar is not None and grammar.error_at is not None and n >= grammar.error_at:
-                    self._fail_row(req, n - 1, StructuredOutputError(grammar.error))
+                if failed is not None and req in failed:
+                    self._fail_row(req, n - 1, failed[req])
                     continue
                 token = token_ids[i]
                 reason = None
@@ -114,16 +114,22 @@ class OutputProcessor:
                 sink.notify()
             held.clear()
 
-    def _fail_row(self, req: Request, num_delivered: int, error: Exception) -> None:
-        logger.warning("request %s failed in output processing; only it ends", req.request_id,
-                       exc_info=error)
+    def _fail_row(self, req: Request, num_delivered: int, error: Exception | str) -> None:
+        """End one request with an error delta: an exception output processing raised,
+        or a reason (its grammar failed)."""
+        if isinstance(error, str):
+            logger.warning("request %s ends: %s", req.request_id, error)
+            message = error
+        else:
+            logger.warning("request %s failed in output processing; only it ends",
+                           req.request_id, exc_info=error)
+            message = f"the request failed in the engine: {type(error).__name__}: {error}"
         if req.finish_reason is None:
             self.finished.append(req)
         req.finish_reason, req.num_final_output_tokens = FinishReason.ERROR, num_delivered
         try:
             req.sink.put(TokenDelta(req.request_id, [], finish_reason=FinishReason.ERROR,
-                                    error=f"the request failed in the engine: "
-                                          f"{type(error).__name__}: {error}",
+                                    error=message,
                                     num_prompt_tokens=req.num_prompt_tokens,
                                     num_output_tokens=num_delivered))
         except Exception:  # noqa: BLE001 - its sink is what broke: nothing more to tell it

@@ -102,35 +102,33 @@ def _too_slow(timeout_s: float) -> InvalidValue:
                         "simplify the schema or grammar", _PARAM)
 
 
-class StructuredOutputError(RuntimeError):
-    """A constrained request's grammar failed while it generated."""
-
-
 class GrammarMatcher:
     """One request's parse state; fed each sampled token, in order.
 
     A token the grammar rejects (its mask left none allowed) or a matcher error
-    (llguidance's limits) is remembered with the output token it came at: output
-    processing ends the request there with an error, never a silent stop."""
+    (llguidance's limits) ends the request with an error at that token, never a
+    silent stop: `accept` says why, once, and the step's output processing fails
+    the request there."""
 
-    __slots__ = ("matcher", "error", "error_at")
+    __slots__ = ("matcher", "failed")
 
     def __init__(self, matcher):
         self.matcher = matcher
-        self.error: str | None = None
-        self.error_at: int | None = None  # the output token (1-based) it came at
+        self.failed = False
 
-    def accept(self, token_id: int, num_output_tokens: int) -> None:
-        if self.error_at is not None:
-            return
+    def accept(self, token_id: int, num_output_tokens: int) -> str | None:
+        """Feed a sampled token; why the grammar failed on it, the first time it does."""
+        if self.failed:
+            return None
         matcher = self.matcher
         # NOTE: once stopped (EOS consumed, or an error) any later token is one the
         # engine drops (a window's extra steps), so it is not fed to the matcher.
         ok = matcher.consume_token(token_id) if not matcher.is_stopped() else True
-        if not ok or matcher.is_error():
-            self.error = (f"the structured output's grammar failed at output token "
-                          f"{num_output_tokens}: {matcher.get_error() or 'token rejected'}")
-            self.error_at = num_output_tokens
+        if ok and not matcher.is_error():
+            return None
+        self.failed = True
+        return (f"the structured output's grammar failed at output token {num_output_tokens}: "
+                f"{matcher.get_error() or 'token rejected'}")
 
 
 class GrammarBatch:
