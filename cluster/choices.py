@@ -35,7 +35,7 @@ def choice_requests(request_id: str, prompt_ids: list[int], params: SamplingPara
     for i in range(n):
         choice_params = params
         if params.seed is not None:
-            choice_params = dataclasses.replace(params, seed=(params.seed + i) % (INT64_MAX + 1))
+            choice_params = params.with_seed((params.seed + i) % (INT64_MAX + 1))
         requests.append(EngineRequest(f"{request_id}-{i}", prompt_ids, choice_params, owner))
     return requests
 

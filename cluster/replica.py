@@ -102,15 +102,13 @@ class EngineReplica:
         except ValueError as e:  # NOTE: decoding runs SamplingParams' own checks
             self._counts.num_requests_refused += 1
             raise ReplicaRejected(str(e)) from None
+        self._refuse_past_the_admission_bound()  # NOTE: before a compile it would waste
         try:
             grammar = await self._engine.compile_grammar(req.sampling_params)
         except ValueError as e:  # a schema or grammar that does not compile in time
             self._counts.num_requests_refused += 1
             raise ReplicaRejected(str(e)) from None
-        if self._max_admitted is not None and self._num_admitted >= self._max_admitted:
-            self._counts.num_requests_refused += 1
-            raise ReplicaOverloaded(f"{self._num_admitted} requests are admitted on this "
-                                    f"replica, its bound", 1.0)
+        self._refuse_past_the_admission_bound()  # again: others came while it compiled
         self._start_sweeper()
         outbox = self._outboxes.get(req.owner)
         done = self._admit(req, outbox, grammar)
@@ -131,6 +129,12 @@ class EngineReplica:
                 self._counts.num_requests_finished += 1
             else:
                 self._counts.num_requests_cancelled += 1
+
+    def _refuse_past_the_admission_bound(self) -> None:
+        if self._max_admitted is not None and self._num_admitted >= self._max_admitted:
+            self._counts.num_requests_refused += 1
+            raise ReplicaOverloaded(f"{self._num_admitted} requests are admitted on this "
+                                    f"replica, its bound", 1.0)
 
     def _admit(self, req: EngineRequest, outbox: StepOutbox, grammar) -> asyncio.Future:
         from replicas.async_engine import EngineDeadError, EngineOverloaded

@@ -6,6 +6,7 @@ twice.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -171,6 +172,14 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    def with_seed(self, seed: int) -> "SamplingParams":
+        """A copy with another seed, checked alone: the n choices of one request differ
+        only in their seeds, so the rest (a JSON schema included) is not checked again."""
+        _check(_is_int64(seed, 0), "seed", "null or an integer in [0, 2**63 - 1]", seed)
+        params = copy.copy(self)
+        object.__setattr__(params, "seed", seed)
+        return params
 
 
 def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:

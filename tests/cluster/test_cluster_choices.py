@@ -5,6 +5,7 @@ usage counting the prompt once."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from cluster.errors import ApiError
 from cluster.openai_events import ChatFormatter, CompletionFormatter
 from cluster.response_writer import json_body, sse_events
 from deltas.types import FinishReason, TextDelta
-from replicas.config import INT64_MAX, SamplingParams
+from replicas.config import INT64_MAX, InvalidValue, SamplingParams
 
 
 def test_one_engine_request_per_choice_with_its_own_seed():
@@ -30,6 +31,10 @@ def test_one_engine_request_per_choice_with_its_own_seed():
     assert [r.sampling_params.seed for r in wrapped] == [INT64_MAX, 0]
     unseeded = choices.choice_requests("c", [1], SamplingParams(), "o", 2)
     assert all(r.sampling_params.seed is None for r in unseeded)
+    # a choice's params are the request's, checked again only in their seed
+    assert params.with_seed(12) == dataclasses.replace(params, seed=12)
+    with pytest.raises(InvalidValue, match="seed"):
+        params.with_seed(-1)
 
 
 class FakeRelay:
