@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
-from docs_support import REPO
+from docs_support import REPO, read_snippets
 
 README = (REPO / "README.md").read_text()
 # Blocks a fresh clone cannot run: they name a checkpoint directory the reader has.
@@ -29,14 +29,16 @@ def test_quickstart_comes_first():
 
 
 def test_every_quickstart_block_is_run_by_the_docs_tests():
-    lines = _section("Quickstart").splitlines()
+    lines = README.splitlines()
+    first = lines.index("## Quickstart")
+    end = next(i for i in range(first + 1, len(lines)) if lines[i].startswith("## "))
+    tagged = {snippet.line for snippet in read_snippets("README.md")}  # 1-based fences
     untagged = []
-    for i, line in enumerate(lines):
-        if not line.startswith("```") or line.strip() == "```":
+    for i in range(first + 1, end):
+        if not lines[i].startswith("```") or lines[i].strip() == "```":
             continue  # not an opening fence
-        tagged = i > 0 and lines[i - 1].startswith("<!-- docs-test:")
         body = "\n".join(lines[i + 1:lines.index("```", i + 1)])
-        if not tagged and not any(marker in body for marker in NEEDS_A_CHECKPOINT):
+        if i + 1 not in tagged and not any(marker in body for marker in NEEDS_A_CHECKPOINT):
             untagged.append(body)
     assert not untagged, f"Quickstart blocks no test runs: {untagged}"
 
@@ -65,6 +67,6 @@ def test_fields_table_names_every_accepted_field_and_nothing_else():
 def test_fields_said_to_be_refused_are_not_accepted():
     refused = _section("What the API accepts").split("Refused with a 400:")[1]
     names = set(re.findall(r"`([a-z_]+)`", refused.split("Errors,")[0]))
-    for name in names - {"n", "best_of", "logit_bias", "echo", "suffix"}:
+    for name in names - {"n", "best_of", "echo", "suffix"}:
         assert name not in CompletionRequest.model_fields, name
         assert name not in ChatCompletionRequest.model_fields, name
