@@ -52,3 +52,22 @@ def dashboard_queries(board: dict) -> list[str]:
 
 def names_in(texts) -> set[str]:
     return {name for text in texts for name in _NAME.findall(text)}
+
+
+def scrape() -> dict[str, float]:
+    """One Prometheus scrape of the local Ray's metrics: each series name with its
+    values summed over labels (one series per worker); {} when it cannot be read."""
+    import httpx
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals

@@ -14,6 +14,7 @@ import pytest
 
 from cluster_support import engine_handle, serve_app, wait_until
 from loadtests.openai_stream import StreamParser
+from metrics_support import dashboard, dashboard_queries, names_in, scrape
 from reliability_support import pinned_stats
 from structured_output_schemas import SCHEMAS
 
@@ -429,9 +430,6 @@ def test_post_bodies_must_be_json_with_a_key_too(server):
 
 
 def test_metrics_are_exported_for_prometheus(server):
-    import ray
-
-    port = ray._private.worker.global_worker.node.metrics_export_port
     wanted = ["stepstream_requests", "stepstream_time_to_first_token_seconds",
               "stepstream_inter_chunk_latency_seconds", "stepstream_time_per_output_token_seconds",
               "stepstream_num_requests_running", "stepstream_num_requests_waiting",
@@ -439,11 +437,8 @@ def test_metrics_are_exported_for_prometheus(server):
               "stepstream_replica_deltas_sent", "stepstream_tokens_per_event"]
 
     def missing():
-        try:
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        except httpx.HTTPError:
-            return wanted
-        return [name for name in wanted if name not in text]
+        names = scrape()
+        return [w for w in wanted if not any(w in name for name in names)]
 
     assert wait_until(lambda: not missing(), timeout_s=60, interval_s=2), missing()
 
@@ -452,29 +447,20 @@ TOKEN_SERIES = ("ray_stepstream_requests_total", "ray_stepstream_prompt_tokens_t
                 "ray_stepstream_output_tokens_total")
 
 
-def _scraped_totals(port: int) -> dict[str, float]:
-    """Each series' value summed over its labels (one series per worker)."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    totals = dict.fromkeys(TOKEN_SERIES, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
+def _scraped_totals() -> dict[str, float]:
+    totals = scrape()
+    return {name: totals.get(name, 0.0) for name in TOKEN_SERIES}
 
 
 def test_non_streaming_requests_count_their_tokens(server):
     """`stream: false` moves the token counters by the usage it answers with."""
-    import ray
-
-    port = ray._private.worker.global_worker.node.metrics_export_port
     # NOTE: Ray exports what workers recorded every second here (see `server`):
     # start from totals that held still over more than one export, so no earlier
     # test's tokens arrive in between.
-    before = _scraped_totals(port)
+    before = _scraped_totals()
     for _ in range(15):
         time.sleep(2.5)
-        now = _scraped_totals(port)
+        now = _scraped_totals()
         if now == before:
             break
         before = now
@@ -488,7 +474,7 @@ def test_non_streaming_requests_count_their_tokens(server):
                 "ray_stepstream_output_tokens_total": float(usage["completion_tokens"])}
 
     def moved() -> dict[str, float]:
-        now = _scraped_totals(port)
+        now = _scraped_totals()
         return {name: now[name] - before[name] for name in TOKEN_SERIES}
 
     assert wait_until(lambda: moved()["ray_stepstream_requests_total"] >= 1, timeout_s=60,
@@ -498,11 +484,6 @@ def test_non_streaming_requests_count_their_tokens(server):
 
 def test_every_name_the_dashboard_queries_is_scraped(server):
     """configs/grafana/stepstream.json's queries find series in a real scrape."""
-    import ray
-
-    from metrics_support import dashboard, dashboard_queries, names_in
-
-    port = ray._private.worker.global_worker.node.metrics_export_port
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", headers=AUTH, json=body,
                       timeout=60) as r:
@@ -510,8 +491,7 @@ def test_every_name_the_dashboard_queries_is_scraped(server):
     wanted = names_in(dashboard_queries(dashboard()))
 
     def missing() -> set[str]:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        return wanted - {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines()}
+        return wanted - set(scrape())
 
     assert wait_until(lambda: not missing(), timeout_s=60, interval_s=2), sorted(missing())
 

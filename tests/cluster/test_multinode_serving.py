@@ -74,6 +74,12 @@ def _body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
             "ignore_eos": True, "stream": stream}
 
 
+def _admitted(engine, replica_ids=None) -> dict[str, int]:
+    """Requests each engine replica admitted so far, each asked directly."""
+    return {rid: s["num_requests_admitted"]
+            for rid, s in pinned_stats(engine, replica_ids, timeout_s=10).items()}
+
+
 def _slow(engine, replica_ids, step_delay_s: float) -> None:
     """Slow every step of these replicas (streams stay in flight); 0: clear."""
     kind = "slow" if step_delay_s else "clear"
@@ -92,7 +98,7 @@ def test_replicas_run_where_the_config_places_them(cluster, engine, reference):
     assert len(engines) == 2 and len(set(engines.values())) == 2, engines
     assert set(engines.values()) <= set(cluster.engine_node_ids())
     assert len(ingresses) == 2 and set(ingresses.values()) == {cluster.head_node_id}
-    before = {rid: s["num_requests_admitted"] for rid, s in pinned_stats(engine, timeout_s=10).items()}
+    before = _admitted(engine)
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -106,8 +112,7 @@ def test_replicas_run_where_the_config_places_them(cluster, engine, reference):
         _assert_complete(r, text)
     # Both engine replicas streamed (their deltas crossed to the head's ingresses on
     # per-step channels), and every stream got exactly its own text.
-    served = {rid: s["num_requests_admitted"] - before[rid]
-              for rid, s in pinned_stats(engine, timeout_s=10).items()}
+    served = {rid: n - before[rid] for rid, n in _admitted(engine).items()}
     assert sum(served.values()) == len(results) and all(served.values()), served
     print(f"\nplacement: engines on {len(set(engines.values()))} engine nodes, ingresses on "
           f"the head; {len(results)} streams equal the offline text ({served})")
@@ -117,13 +122,12 @@ def test_prompts_sharing_a_prefix_meet_on_one_replica_across_nodes(cluster, engi
     assert len(set(replica_nodes("EngineReplica").values())) == 2
     for group in range(2):
         system = list(range(300 + 50 * group, 560 + 50 * group))  # 16 whole blocks
-        before = {rid: s["num_requests_admitted"] for rid, s in pinned_stats(engine, timeout_s=10).items()}
+        before = _admitted(engine)
         with httpx.Client(timeout=120) as c:
             for i in range(6):
                 body = _body(system + [10 + i, 20 + i], 2, stream=False)
                 assert c.post(cluster.base + "/v1/completions", json=body).status_code == 200
-        served = {rid: s["num_requests_admitted"] - before[rid]
-                  for rid, s in pinned_stats(engine, timeout_s=10).items()}
+        served = {rid: n - before[rid] for rid, n in _admitted(engine).items()}
         # All go to the prefix's replica unless it is much busier: allow one elsewhere.
         assert sum(served.values()) == 6 and max(served.values()) >= 5, served
 
@@ -298,9 +302,9 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
     replaced_s = time.monotonic() - killed_at
     (new,) = set(replica_nodes("EngineReplica")) - set(nodes)
     with httpx.Client(timeout=60) as c:  # the new replica serves
-        before = pinned_stats(engine, [new], timeout_s=10)[new]["num_requests_admitted"]
+        before = _admitted(engine, [new])[new]
         deadline = time.monotonic() + 60
-        while pinned_stats(engine, [new], timeout_s=10)[new]["num_requests_admitted"] == before:
+        while _admitted(engine, [new])[new] == before:
             assert time.monotonic() < deadline
             assert c.post(cluster.base + "/v1/completions",
                           json=_body(PROMPTS[0], 4, stream=False)).status_code == 200
