@@ -254,7 +254,9 @@ def test_requests_of_a_dead_ingress_are_aborted_and_its_channel_ends():
 
 def test_a_request_admitted_to_a_long_idle_outbox_gets_a_full_window():
     async def run():
-        replica, engine = _replica(ingress_detach_timeout_s=0.3, owner_check_interval_s=0.05)
+        # NOTE: a window far longer than the wait below (a slow machine's pauses), far
+        # shorter than the detachment: counted from it, the first sweep orphans it.
+        replica, engine = _replica(ingress_detach_timeout_s=2.0, owner_check_interval_s=0.05)
         outbox = replica._outboxes.get("ing-a")
         outbox.detached_since -= 10.0  # idle and detached for long
         call = await _admit(replica, "a")

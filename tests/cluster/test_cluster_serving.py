@@ -366,12 +366,15 @@ def test_a_huge_prompt_is_refused_without_stalling_other_requests(server):
 # NOTE: under the character bound (2048 tokens x 65 characters a token at most x 4), so
 # it reaches the tokenizer: 1.5M byte-level tokens, about 0.6 s of tokenizing here.
 SLOW_TO_TOKENIZE = "".join(chr(0x4E00 + (i * 7919) % 0x51FF) for i in range(500_000))
-MAX_STREAM_GAP_S = 0.35
+MAX_STREAM_GAP_S = 0.35  # at least: half the tokenizing time on a slower machine
 
 
-def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server):
+def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server, tokenizer):
     """The tokenizer runs off the event loop: a concurrent stream's largest gap between
     events stays well under the time the long prompt takes to tokenize."""
+    started = time.monotonic()
+    tokenizer.encode(SLOW_TO_TOKENIZE)
+    max_gap_s = max(MAX_STREAM_GAP_S, 0.5 * (time.monotonic() - started))
     async def run():
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0,
@@ -395,8 +398,9 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server):
     # refused after tokenizing: the message counts tokens, not characters
     assert error["code"] == "context_length_exceeded" and "1500" in error["message"], error
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    print(f"\nlargest gap of a concurrent stream while 1.5M tokens were made: {max(gaps):.3f} s")
-    assert max(gaps) < MAX_STREAM_GAP_S, sorted(gaps)[-5:]
+    print(f"\nlargest gap of a concurrent stream while 1.5M tokens were made: {max(gaps):.3f} s"
+          f" (bound {max_gap_s:.2f} s)")
+    assert max(gaps) < max_gap_s, sorted(gaps)[-5:]
 
 
 def test_api_key_required_everywhere_but_health(server):

@@ -84,7 +84,10 @@ def test_a_burst_after_idleness_never_stalls_on_the_channel(server):
     # the admissions' handle). Some admitted ones time out in the engine's queue
     # anyway, more on a busier machine (126 of 840 seen on a 2-core CI run).
     assert statuses.get("503 queue_timeout", 0) <= num_requests // 4, statuses
-    assert slowest < 40.0, "a request waited on a channel queued behind admissions"
+    # A request whose channel queued behind admissions waits out the channel's open
+    # timeout (60 s); the slowest here is the ingress working through the burst
+    # (18-21 s on 2 cores, more on a slower machine).
+    assert slowest < 55.0, "a request waited on a channel queued behind admissions"
 
 
 def _pinned_generate(replica_id: str, request_id: str, max_tokens: int):
@@ -104,8 +107,10 @@ def test_a_request_without_a_first_token_in_time_gets_503_and_is_aborted(server)
     replicas = engine_replica_ids()
     holders = []
     try:
-        for rid in replicas:  # steps crawl, and every engine runs its max_num_seqs
-            handle.inject_fault.remote("slow", 0.1, pin_replica_id=rid).result(timeout_s=30)
+        # Steps crawl, and every engine runs its max_num_seqs: 200 tokens at 0.2 s a
+        # step (4 tokens a window until the late request waits) outlast its timeout.
+        for rid in replicas:
+            handle.inject_fault.remote("slow", 0.2, pin_replica_id=rid).result(timeout_s=30)
             for i in range(MAX_NUM_SEQS):
                 holders.append(_pinned_generate(rid, f"hold-{rid}-{i}", 200))
                 assert next(iter(holders[-1])) == rid  # admitted

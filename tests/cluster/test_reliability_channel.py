@@ -54,7 +54,9 @@ def test_a_killed_engine_replica_fails_only_its_own_streams(server):
     import ray
 
     handle = engine_handle()
-    _fault_both(handle, "slow")
+    # 75 windows of at least 0.1 s: every stream still runs when all 8 are admitted
+    # and the victim is killed, on a slower machine too.
+    _fault_both(handle, "slow", 0.1)
     num_streams = 8
 
     async def run():
@@ -62,7 +64,7 @@ def test_a_killed_engine_replica_fails_only_its_own_streams(server):
         async with httpx.AsyncClient(timeout=120) as client:
             streams = [asyncio.ensure_future(stream_request(client, url, _body(300)))
                        for _ in range(num_streams)]
-            await asyncio.to_thread(
+            assert await asyncio.to_thread(
                 wait_until, lambda: sum(_running(handle).values()) == num_streams, 60)
             running = await asyncio.to_thread(_running, handle)
             victim = max(running, key=running.get)
@@ -120,7 +122,7 @@ def test_a_killed_ingress_leaves_no_request_running(server):
         async with httpx.AsyncClient(timeout=60) as client:
             streams = [asyncio.ensure_future(stream_request(client, url, _body()))
                        for _ in range(num_streams)]
-            await asyncio.to_thread(
+            assert await asyncio.to_thread(
                 wait_until, lambda: sum(_running(handle).values()) == num_streams, 60)
             killed_at = time.monotonic()
             await asyncio.to_thread(_crash_the_ingress)

@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from cluster_support import engine_handle, serve_app, wait_healthy
-from reliability_support import stream_request
+from cluster_support import engine_handle, serve_app, wait_healthy, wait_until
+from reliability_support import pinned_stats, stream_request
 
 pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
@@ -82,7 +82,10 @@ def _streams_through_a_change(server: str, new_args: dict, num_replicas: int,
                                                           body)) for _ in range(num_streams)]
             for t in tasks:
                 t.add_done_callback(lambda _: ended_at.append(time.monotonic()))
-            await asyncio.sleep(2.0)  # every stream is running on an old replica
+            handle = engine_handle()
+            assert await asyncio.to_thread(  # every stream is running on an old replica
+                wait_until, lambda: sum(s["num_running"] for s in pinned_stats(
+                    handle, timeout_s=5).values()) == num_streams, 60)
             assert not any(t.done() for t in tasks)
             started = time.monotonic()
             change = threading.Thread(target=_redeploy, args=(new_args,), daemon=True)

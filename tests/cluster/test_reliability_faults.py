@@ -22,14 +22,16 @@ from reliability_support import (engine_stats, is_idle, is_openai_error, replica
 pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
-REQUEST_TIMEOUT_S = 6.0
+# NOTE: well past a hung engine's "stalled" error (about 4 s after the streams start
+# here), so that error comes first on a slower machine too.
+REQUEST_TIMEOUT_S = 10.0
 STALL_TIMEOUT_S = 2.0
 APP_ARGS = {"model": MODEL, "engine_num_cpus": 1, "ingress_num_cpus": 0.5, "num_threads": 1,
             "max_num_seqs": 16, "num_kv_blocks": 512, "num_scheduler_steps": 4,
             "max_model_len": 512, "enable_fault_injection": True,
             "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
             "stall_timeout_s": STALL_TIMEOUT_S, "request_timeout_s": REQUEST_TIMEOUT_S,
-            "graceful_shutdown_timeout_s": 10.0}
+            "graceful_shutdown_timeout_s": 12.0}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ def test_fault_injection_is_off_by_default():
 
 def test_request_timeout_ends_the_stream_with_an_error_event_and_aborts(server):
     handle = engine_handle()
-    # NOTE: 300 tokens at 0.3 s per 4-step window run 22 s: far past the timeout (6 s)
+    # NOTE: 300 tokens at 0.3 s per 4-step window run 22 s: past the timeout (10 s)
     # and the 5 s the engine gets to be idle after it.
     handle.inject_fault.remote("slow", 0.3).result(timeout_s=30)
     try:

@@ -33,7 +33,9 @@ ENGINE_ARGS = {"max_num_seqs": 16, "num_kv_blocks": 512, "num_scheduler_steps": 
 APP_ARGS = {"model": MODEL, "engine_num_cpus": 1, "ingress_num_cpus": 0.5, "num_threads": 1,
             "enable_fault_injection": True, **ENGINE_ARGS}
 PROMPTS = [f"Story {i}: the {['cat', 'dog', 'owl', 'fox'][i]} went to" for i in range(4)]
-VICTIM_TOKENS = 240
+# A victim of 120 windows: it must outlast six hostile requests (about 30 windows
+# with their HTTP round trips here) on a machine a few times slower.
+VICTIM_TOKENS = 480
 
 
 @pytest.fixture(scope="module")

@@ -181,7 +181,7 @@ def test_an_awaited_compile_leaves_the_event_loop_running(engine, monkeypatch):
 
     matcher, longest_gap_s = asyncio.run(run())
     assert matcher.matcher is not None and not matcher.matcher.is_error()
-    assert longest_gap_s < 0.15, longest_gap_s
+    assert longest_gap_s < 0.25, longest_gap_s  # a blocked loop: 0.3 s at least
 
 
 def test_a_grammar_that_fails_ends_its_request_with_an_error(monkeypatch):
