@@ -111,6 +111,17 @@ def replica_stats(handle, num_calls: int = 1) -> list[dict]:
     return [handle.stats.remote().result(timeout_s=30) for _ in range(num_calls)]
 
 
+def engine_states(app: str = "stepstream") -> dict[str, int]:
+    """{state: number of engine replicas}, as `serve status` shows them."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is None or "EngineReplica" not in status.deployments:
+        return {}
+    return {str(k): v for k, v in status.deployments["EngineReplica"].replica_states.items()
+            if v}
+
+
 def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):
     deadline = time.monotonic() + timeout_s
     while True:

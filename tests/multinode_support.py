@@ -94,16 +94,3 @@ def replica_nodes(deployment: str, app: str = "stepstream") -> dict[str, str]:
     return {a["Name"][len(prefix):]: a["Address"]["NodeID"]
             for a in ray._private.state.actors().values()
             if a["State"] == "ALIVE" and a.get("Name", "").startswith(prefix)}
-
-
-def engine_states(app: str = "stepstream") -> dict[str, int]:
-    """{state: number of engine replicas}, as `serve status` shows them."""
-    from ray import serve
-
-    status = serve.status().applications.get(app)
-    if status is None or "EngineReplica" not in status.deployments:
-        return {}
-    return {str(k): v for k, v in status.deployments["EngineReplica"].replica_states.items()
-            if v}
-
-

@@ -24,8 +24,8 @@ import time
 import httpx
 import pytest
 
-from cluster_support import wait_until
-from multinode_support import PLACEMENT_ARGS, deploy, engine_states, local_cluster, replica_nodes
+from cluster_support import engine_states, wait_until
+from multinode_support import PLACEMENT_ARGS, deploy, local_cluster, replica_nodes
 from reliability_support import greedy_texts, is_openai_error, pinned_stats, stream_request
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from cluster_support import engine_handle, serve_app, wait_healthy, wait_until
+from cluster_support import engine_handle, engine_states, serve_app, wait_healthy, wait_until
 from reliability_support import pinned_stats, stream_request
 
 pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.timeout(600)]
@@ -56,15 +56,6 @@ def _redeploy(args: dict) -> None:
               blocking=False)
 
 
-def _engine_states() -> dict:
-    from ray import serve
-
-    app = serve.status().applications.get("stepstream")
-    if app is None or "EngineReplica" not in app.deployments:
-        return {}
-    return {str(k): v for k, v in app.deployments["EngineReplica"].replica_states.items()}
-
-
 def _streams_through_a_change(server: str, new_args: dict, num_replicas: int,
                               num_streams: int = 6):
     """Start slowed streams, change the app while they run; (results, seconds from the
@@ -91,7 +82,7 @@ def _streams_through_a_change(server: str, new_args: dict, num_replicas: int,
             change = threading.Thread(target=_redeploy, args=(new_args,), daemon=True)
             change.start()
             while not all(t.done() for t in tasks):
-                states = await asyncio.to_thread(_engine_states)
+                states = await asyncio.to_thread(engine_states)
                 if states.get("STOPPING", 0) > 0 and not stopping_at:
                     stopping_at.append(time.monotonic())
                 await asyncio.sleep(0.2)
@@ -136,7 +127,7 @@ def test_scale_down_lets_streams_finish(server):
 def wait_until_one_replica(timeout_s: float = 120.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if _engine_states() == {"RUNNING": 1}:
+        if engine_states() == {"RUNNING": 1}:
             return True
         time.sleep(0.5)
     return False
