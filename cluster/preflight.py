@@ -9,7 +9,9 @@ import errno
 import os
 import socket
 
-from replicas.presets import PRESETS
+from replicas.gguf import GgufError
+from replicas.gguf.convert import is_gguf_path
+from replicas.presets import PRESETS, TRAINED_PRESETS, ensure_model_dir, preset_names
 
 DEFAULT_METRICS_PORT = 8080
 
@@ -65,12 +67,24 @@ def metrics_port(requested: int | None) -> tuple[int | None, str | None]:
 
 
 def model_problem(model: str) -> str | None:
-    """None when `model` is a preset or a directory holding a checkpoint's config.json."""
+    """None when `model` is a preset, a GGUF file stepstream can serve or a directory
+    holding a checkpoint's config.json.
+
+    NOTE: a GGUF file (a trained preset's too) is converted here, once, before Ray
+    starts: every problem with it is one line now, and the replicas find it converted."""
     if model in PRESETS:
         return None
+    if model in TRAINED_PRESETS or is_gguf_path(model):
+        try:
+            ensure_model_dir(model)
+        except GgufError as error:
+            return str(error)
+        except FileNotFoundError as error:
+            return f"--model {model}: {error}"
+        return None
     if not os.path.isdir(model):
-        return (f"--model {model}: neither a preset ({', '.join(PRESETS)}) nor a directory "
-                "on this machine")
+        return (f"--model {model}: neither a preset ({', '.join(preset_names())}), a .gguf "
+                "file nor a directory on this machine")
     if not os.path.isfile(os.path.join(model, "config.json")):
         return f"--model {model}: the directory has no config.json (a Hugging Face checkpoint has)"
     return None

@@ -203,7 +203,8 @@ def _preflight(app_cfg, host: str, port: int, requested_metrics_port: int | None
     """(metrics port, 0), or (None, exit status) after saying what is wrong."""
     problem = preflight.model_problem(app_cfg.model)
     if problem:
-        console.error(problem, "pass --model tiny, or a local Hugging Face checkpoint directory")
+        console.error(problem, "pass --model smollm2-135m or tiny, a .gguf file or a local "
+                      "Hugging Face checkpoint directory")
         return None, 2
     problem = preflight.bind_problem(host, port)
     if problem:

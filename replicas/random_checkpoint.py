@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from replicas.presets import ASSETS_DIR, TOKENIZER_FILES, complete_config
+from replicas.checkpoint_config import ASSETS_DIR, TOKENIZER_FILES, complete_config
 
 
 def write_random_checkpoint(path: str | os.PathLike, config: dict, seed: int,

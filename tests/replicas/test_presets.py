@@ -112,7 +112,7 @@ def test_losing_the_rename_race_keeps_the_winner(tiny_dir):
     # A process that saw no dir, then lost the race: it must use the winner's dir.
     final_dir = Path(tiny_dir)
     mtime = os.stat(final_dir / "model.safetensors").st_mtime_ns
-    presets._generate_preset("tiny", final_dir.parent, final_dir)
+    presets._generate_preset("tiny", final_dir)
     assert os.stat(final_dir / "model.safetensors").st_mtime_ns == mtime
     assert not [n for n in os.listdir(final_dir.parent) if n.startswith(".")]
 
