@@ -6,8 +6,11 @@ PYTHON ?= python3
 STAMP := $(VENV)/.installed
 # Flags for `make serve`, e.g. make serve SERVE_FLAGS="--port 8001 --num-scheduler-steps 4"
 SERVE_FLAGS ?=
-# `make serve-gpu MODEL=/path/to/checkpoint`: a local Hugging Face checkpoint
+# The model: `make serve` serves the trained preset smollm2-135m unless MODEL says
+# otherwise (make serve MODEL=tiny: random weights, fast); `make serve-gpu
+# MODEL=/path/to/checkpoint` needs one (a local Hugging Face directory or .gguf file)
 MODEL ?=
+SERVE_MODEL = $(or $(MODEL),smollm2-135m)
 # Where torch comes from. It installs first and alone, so that nothing later pulls
 # another build: the CPU build from PyTorch's CPU index (on PyPI, torch for Linux is
 # the CUDA build, several GB); TORCH_INDEX= (empty) uses pip's configured index.
@@ -53,7 +56,7 @@ $(GPU_STAMP): pyproject.toml
 install-gpu: $(GPU_STAMP)
 
 serve: $(STAMP)
-	$(PY) -m cluster.serve_local $(SERVE_FLAGS)
+	$(PY) -m cluster.serve_local --model '$(SERVE_MODEL)' $(SERVE_FLAGS)
 
 # One GPU, one command: the engine replica gets the GPU (its device is cuda).
 serve-gpu: $(GPU_STAMP)

@@ -51,11 +51,12 @@ def test_gpu_config_uses_one_gpu_per_replica_and_autoscales_1_to_8():
     assert args.engine_config().device == "cuda" and args.dtype == "bfloat16"
 
 
-def test_local_config_is_cpu_tiny_with_one_replica_each():
+def test_local_config_is_cpu_trained_preset_with_one_replica_each():
     from cluster.app import AppArgs
 
     args = AppArgs.model_validate(_load("serve.yaml")["applications"][0]["args"])
-    assert args.model == "tiny" and args.engine_num_gpus == 0
+    # the model a newcomer meets answers: the trained preset, not random weights
+    assert args.model == "smollm2-135m" and args.engine_num_gpus == 0
     assert args.num_engine_replicas == 1 and args.num_ingress_replicas == 1
     assert args.engine_config().device == "cpu"
 
