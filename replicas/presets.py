@@ -120,9 +120,14 @@ def trained_preset_file(name: str) -> str:
 
 def resolve_tokenizer_dir(name_or_path: str) -> str:
     """The directory to load the tokenizer from: the assets dir for a random preset,
-    else the model's (converted) directory."""
+    a GGUF file's tokenizer files (its weights are not converted for this), else the
+    model directory."""
     if name_or_path in PRESETS:
         return str(ASSETS_DIR)
+    if name_or_path in TRAINED_PRESETS:
+        return ensure_gguf_dir(trained_preset_file(name_or_path), tokenizer_only=True)
+    if is_gguf_path(name_or_path):
+        return ensure_gguf_dir(name_or_path, tokenizer_only=True)
     return ensure_model_dir(name_or_path)
 
 

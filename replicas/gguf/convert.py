@@ -15,7 +15,7 @@ from pathlib import Path
 
 from replicas.cache_dirs import models_dir, write_once
 from replicas.gguf.llama_layout import hf_config, hf_tensors
-from replicas.gguf.reader import read_gguf
+from replicas.gguf.reader import GgufError, read_gguf
 from replicas.gguf.tokenizer_files import write_tokenizer_files
 
 logger = logging.getLogger("stepstream")
@@ -29,15 +29,24 @@ def is_gguf_path(name_or_path: str) -> bool:
     return name_or_path.lower().endswith(".gguf")
 
 
-def ensure_gguf_dir(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
-    """The converted directory of the GGUF file at `path` (converted on first use)."""
+def ensure_gguf_dir(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                    tokenizer_only: bool = False) -> str:
+    """The converted directory of the GGUF file at `path` (converted on first use).
+
+    tokenizer_only: a directory with the tokenizer files alone (what an ingress
+    needs), unless the whole conversion is there already."""
     path = os.path.realpath(os.path.expanduser(str(path)))
     if not os.path.isfile(path):
-        from replicas.gguf.reader import GgufError
         raise GgufError(f"{path}: no such file")
     digest = _content_hash(path, os.path.getsize(path), os.stat(path).st_mtime_ns)
     stem = Path(path).name[: -len(".gguf")]
     final_dir = models_dir(cache_dir) / f"gguf-{stem}-{digest[:16]}-{CONVERTER_VERSION}"
+    if tokenizer_only and not final_dir.is_dir():
+        tokenizer_dir = final_dir.with_name(final_dir.name + "-tokenizer")
+        if not tokenizer_dir.is_dir():
+            write_once(tokenizer_dir, lambda out_dir: convert_gguf(path, out_dir, digest,
+                                                                   with_weights=False))
+        return str(tokenizer_dir)
     if not final_dir.is_dir():
         started = time.monotonic()
         write_once(final_dir, lambda out_dir: convert_gguf(path, out_dir, digest))
@@ -45,9 +54,9 @@ def ensure_gguf_dir(path: str | os.PathLike, cache_dir: str | os.PathLike | None
     return str(final_dir)
 
 
-def convert_gguf(path: str, out_dir: Path, digest: str) -> None:
-    """Write config.json, model.safetensors (float32), the tokenizer files and
-    gguf_source.json for the GGUF file at `path` into out_dir."""
+def convert_gguf(path: str, out_dir: Path, digest: str, with_weights: bool = True) -> None:
+    """Write config.json, model.safetensors (float32; unless not with_weights), the
+    tokenizer files and gguf_source.json for the GGUF file at `path` into out_dir."""
     from safetensors.numpy import save_file
 
     checkpoint = read_gguf(path)
@@ -55,8 +64,9 @@ def convert_gguf(path: str, out_dir: Path, digest: str) -> None:
     # NOTE: the tokenizer first: a vocabulary we cannot read fails before the
     # seconds of dequantization
     write_tokenizer_files(checkpoint, config, out_dir)
-    tensors = dict(hf_tensors(checkpoint, config))
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if with_weights:
+        tensors = dict(hf_tensors(checkpoint, config))
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / SOURCE_FILE, {"file": path, "sha256": digest,
                                         "converter": CONVERTER_VERSION,

@@ -3,6 +3,7 @@ tensor, the tokenizer, the chat template and the streamed text."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,3 +117,18 @@ def test_streamed_text_equals_one_shot_decode(ours, text, skip_special_tokens):
     expected = ours.decode(ids, skip_special_tokens=skip_special_tokens)
     assert "".join(pieces) == expected
     assert expected == trained_model.hf_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_the_ingress_converts_only_the_tokenizer(tmp_path, monkeypatch):
+    from replicas import presets
+
+    monkeypatch.setenv("STEPSTREAM_CACHE", str(tmp_path))
+    tokenizer_dir = presets.resolve_tokenizer_dir(trained_model.PRESET)
+    assert sorted(p.name for p in Path(tokenizer_dir).iterdir()) == [
+        "config.json", "generation_config.json", "gguf_source.json", "tokenizer.json",
+        "tokenizer_config.json"]
+    assert Tokenizer.from_dir(tokenizer_dir).encode(TEXTS[3]) == Tokenizer.from_dir(
+        trained_model.model_dir()).encode(TEXTS[3])
+    # once the whole conversion is there, the tokenizer comes from it
+    model_dir = presets.ensure_model_dir(trained_model.PRESET)
+    assert presets.resolve_tokenizer_dir(trained_model.PRESET) == model_dir
