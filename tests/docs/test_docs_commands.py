@@ -288,6 +288,9 @@ def test_locust_headless_command_writes_ttft_itl_tpot_rows(deployment, sandbox):
     # NOTE: locust rewrites the CSV once a second and not at exit: the run must outlast
     # the first requests (~7 s each at 32 users on 2 cores; more on a slower machine).
     text = _sub(snip, text, r"--run-time \S+", "--run-time 20s")
+    # NOTE: the trained model makes ~200 tok/s here: 128 tokens for each of 32 users
+    # would end no request within the run
+    text = _sub(snip, text, r"--output-len \d+", "--output-len 16")
     text = _sub(snip, text, r"--csv results/", f"--csv {out}/")
     res = deployment.shell.run("locust", text, timeout_s=120)
     assert res.ok, res.output[-4000:]
@@ -370,7 +373,8 @@ def test_make_serve_prints_url_and_a_curl_line_that_streams(sandbox):
     fresh_env = {k: v for k, v in os.environ.items() if k not in MAKE_VARS}
     dry = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True,
                          timeout=30, env=fresh_env)
-    assert dry.stdout.splitlines() == [f"{venv}/bin/python -m cluster.serve_local --port {port}"], (
+    assert dry.stdout.splitlines() == [
+        f"{venv}/bin/python -m cluster.serve_local --model 'smollm2-135m' --port {port}"], (
         dry.stdout + dry.stderr)
     text = _sub(snip, snip.text, r"^make serve\b", shlex.join(["make", *args]))
     fg = Foreground(sandbox, "make-serve", _preamble(), text)
