@@ -77,9 +77,9 @@ def model_problem(model: str) -> str | None:
     if model in TRAINED_PRESETS or is_gguf_path(model):
         try:
             ensure_model_dir(model)
-        except GgufError as error:
+        except GgufError as error:  # names the file
             return str(error)
-        except FileNotFoundError as error:
+        except (OSError, ValueError) as error:
             return f"--model {model}: {error}"
         return None
     if not os.path.isdir(model):

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from replicas.cache_dirs import models_dir, write_once
-from replicas.gguf.llama_layout import hf_config, hf_tensors
+from replicas.gguf.llama_layout import check_tensors, hf_config, hf_tensors
 from replicas.gguf.reader import GgufError, read_gguf
 from replicas.gguf.tokenizer_files import write_tokenizer_files
 
@@ -61,6 +61,7 @@ def convert_gguf(path: str, out_dir: Path, digest: str, with_weights: bool = Tru
 
     checkpoint = read_gguf(path)
     config = hf_config(checkpoint)
+    check_tensors(checkpoint, config)  # NOTE: for a tokenizer-only dir too: one verdict per file
     # NOTE: the tokenizer first: a vocabulary we cannot read fails before the
     # seconds of dequantization
     write_tokenizer_files(checkpoint, config, out_dir)

@@ -52,7 +52,7 @@ def hf_config(checkpoint: GgufFile) -> dict:
         return value
 
     hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = hidden // num_heads
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
     rope_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise checkpoint.fail(f"rotary dimensions {rope_dims} differ from the head size "
@@ -98,13 +98,49 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def hf_tensors(checkpoint: GgufFile, config: dict) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 array) for every tensor, in the file's order."""
-    import gguf
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """llama.cpp name -> the (rows, cols) shape the config implies, for every tensor
+    a checkpoint of this config has."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q_size = config["num_attention_heads"] * config["head_dim"]
+    kv_size = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["output.weight"] = (vocab, hidden)
+    layer = {"attn_norm.weight": (hidden,), "attn_q.weight": (q_size, hidden),
+             "attn_k.weight": (kv_size, hidden), "attn_v.weight": (kv_size, hidden),
+             "attn_output.weight": (hidden, q_size), "ffn_norm.weight": (hidden,),
+             "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden),
+             "ffn_down.weight": (hidden, inter)}
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"blk.{i}.{suffix}": shape for suffix, shape in layer.items()})
+    return shapes
 
-    unknown = [name for name in checkpoint.tensors if hf_name(name) is None]
+
+def check_tensors(checkpoint: GgufFile, config: dict) -> None:
+    """Every tensor the config implies is there with its shape, and nothing else:
+    checked before anything is dequantized."""
+    if "rope_freqs.weight" in checkpoint.tensors:
+        raise checkpoint.fail("Llama 3.1-style rope scaling (tensor rope_freqs.weight) is "
+                              "not supported")
+    expected = expected_shapes(config)
+    unknown = [name for name in checkpoint.tensors if name not in expected]
     if unknown:
         raise checkpoint.fail(f"tensors this Llama layout does not have: {unknown[:5]}")
+    missing = [name for name in expected if name not in checkpoint.tensors]
+    if missing:
+        raise checkpoint.fail(f"tensors missing: {missing[:5]}")
+    for name, shape in expected.items():
+        if checkpoint.tensors[name].shape != shape:
+            raise checkpoint.fail(f"tensor {name} has shape {checkpoint.tensors[name].shape}, "
+                                  f"the metadata implies {shape}")
+
+
+def hf_tensors(checkpoint: GgufFile, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 array) for every tensor, in the file's order; check_tensors
+    has passed."""
+    import gguf
+
     for name, tensor in checkpoint.tensors.items():
         weight = np.asarray(gguf.dequantize(tensor.data, tensor.qtype), dtype=np.float32)
         if weight.shape != tensor.shape:
