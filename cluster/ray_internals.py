@@ -1,0 +1,69 @@
+"""Every private Ray or Serve name stepstream uses, in one module.
+
+Each is something Ray offers no public API for (yet). tests/cluster/test_ray_internals.py
+pins each one: when a Ray upgrade renames or reshapes it, that test fails with the
+Ray version and the name, so an upgrade breaks in the suite, not in production.
+
+Supported Ray: the version pyproject.toml pins (RAY_VERSION); another one runs only
+after this module's tests pass on it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+RAY_VERSION = "2.60.0"
+
+
+def serve_namespace() -> str:
+    """The Ray namespace Serve's actors live in."""
+    from ray.serve._private.constants import SERVE_NAMESPACE
+    return SERVE_NAMESPACE
+
+
+def serve_controller_name() -> str:
+    """The actor name of Serve's controller (in serve_namespace())."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME
+    return SERVE_CONTROLLER_NAME
+
+
+def replica_actor_name(unique_id: str, deployment: str, app_name: str) -> str:
+    """The actor name Serve gives a replica of `deployment` in `app_name`."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.request_router import ReplicaID  # public; its DeploymentID is not
+
+    return ReplicaID(unique_id, DeploymentID(deployment, app_name)).to_full_id_str()
+
+
+def suffix_internal_request_id(suffix: str) -> None:
+    """Give this task's Serve request context an internal request id of its own
+    (the current one + `-suffix`); the public request id stays.
+
+    NOTE: Serve's router tells calls waiting to be routed apart by this internal id,
+    which every call made while handling one HTTP request shares."""
+    from ray.serve import context
+
+    current = context._get_serve_request_context()
+    if current._internal_request_id:  # empty: Serve makes one per call anyway
+        context._serve_request_context.set(dataclasses.replace(
+            current, _internal_request_id=f"{current._internal_request_id}-{suffix}"))
+
+
+def fulfill_with_chosen_replica(router: Any, replica: Any, request_metadata: Any = None) -> None:
+    """Hand `replica` to the very request it was chosen for, not to the oldest
+    pending one (Serve's FIFO policy), by calling RequestRouter's own
+    `_fulfill_next_pending_request` past the FIFO mixin's override."""
+    from ray.serve.request_router import RequestRouter
+
+    RequestRouter._fulfill_next_pending_request(router, replica, request_metadata)
+
+
+# For the pin tests: (where, what) of every name above.
+PINNED = (
+    ("ray.serve._private.constants", "SERVE_NAMESPACE"),
+    ("ray.serve._private.constants", "SERVE_CONTROLLER_NAME"),
+    ("ray.serve._private.common", "DeploymentID"),
+    ("ray.serve.context", "_get_serve_request_context"),
+    ("ray.serve.context", "_serve_request_context"),
+    ("ray.serve.request_router", "RequestRouter._fulfill_next_pending_request"),
+)
