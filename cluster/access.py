@@ -97,9 +97,9 @@ def serve_http_host() -> str | None:
 
         if not ray.is_initialized():
             return None
-        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+        from cluster.ray_internals import serve_controller_name, serve_namespace
 
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        controller = ray.get_actor(serve_controller_name(), namespace=serve_namespace())
         return ray.get(controller.get_http_config.remote(), timeout=30).host
     except Exception:  # no controller (yet), or an older Serve: nothing to check
         return None

@@ -17,7 +17,6 @@ are aborted on their replicas.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import AsyncIterator, Callable
 
 from cluster.channels import ChannelHub
@@ -83,12 +82,9 @@ def _own_serve_request_id(index: int) -> None:
     them waiting at once would share one replica's answer, and the other would
     wait forever. Only this task's context changes; the public request id (logs)
     stays."""
-    from ray.serve import context
+    from cluster.ray_internals import suffix_internal_request_id
 
-    current = context._get_serve_request_context()
-    if current._internal_request_id:  # empty: Serve makes one per call anyway
-        context._serve_request_context.set(dataclasses.replace(
-            current, _internal_request_id=f"{current._internal_request_id}-{index}"))
+    suffix_internal_request_id(str(index))
 
 
 async def merged_text_deltas(relays: list[Relay]) -> AsyncIterator[tuple[int, TextDelta]]:

@@ -41,12 +41,12 @@ INGRESS_DEPLOYMENT = "Ingress"
 def ingress_actor_name(owner: str, app_name: str) -> str | None:
     """The Serve actor name of the ingress replica an owner id names
     (`<replica unique id>-<suffix>`, cluster/ingress.py), or None if it names none."""
-    from ray.serve._private.common import DeploymentID, ReplicaID
+    from cluster.ray_internals import replica_actor_name
 
     unique_id, sep, suffix = owner.rpartition("-")
     if not sep or not unique_id or not suffix:
         return None
-    return ReplicaID(unique_id, DeploymentID(INGRESS_DEPLOYMENT, app_name)).to_full_id_str()
+    return replica_actor_name(unique_id, INGRESS_DEPLOYMENT, app_name)
 
 
 def is_live_ingress_replica(owner: str, owner_handle: Any, app_name: str) -> bool:
@@ -59,14 +59,15 @@ def is_live_ingress_replica(owner: str, owner_handle: Any, app_name: str) -> boo
     opening a channel under that ingress's owner id (whose random suffix it would
     also need to know)."""
     import ray
-    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    from cluster.ray_internals import serve_namespace
 
     name = ingress_actor_name(owner, app_name)
     actor_id = getattr(owner_handle, "_actor_id", None)
     if name is None or actor_id is None:
         return False
     try:
-        actor = ray.get_actor(name, namespace=SERVE_NAMESPACE)
+        actor = ray.get_actor(name, namespace=serve_namespace())
     except ValueError:  # no live actor of that name
         return False
     return actor._actor_id == actor_id

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import random
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve._private.request_router.request_router import RequestRouter
-from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve.request_router import (FIFOMixin, LocalityMixin, MultiplexMixin, PendingRequest,
+                                      RequestRouter, RunningReplica)
 
 from cluster.prefix_affinity import choose, prefix_key
+from cluster.ray_internals import fulfill_with_chosen_replica
 from cluster.wire import prompt_of
 
 PIN_KWARG = "pin_replica_id"
@@ -40,7 +40,13 @@ def _not_avoided(candidates: list[RunningReplica]) -> list[RunningReplica]:
     return keep or candidates
 
 
-class PinnedRouter(PowerOfTwoChoicesRequestRouter):
+def two_of(candidates: list[RunningReplica]) -> list[RunningReplica]:
+    """Two distinct candidates at random (all of them, shuffled, when fewer): Serve's
+    power of two choices, whose base router then takes the shorter queue."""
+    return random.sample(candidates, min(2, len(candidates)))
+
+
+class PinnedRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, prefix_tokens: int = 0, block_size: int = 16,
                          imbalance_threshold: int = 8, **kwargs) -> None:
         """`prefix_tokens` 0 turns prefix affinity off."""
@@ -61,25 +67,30 @@ class PinnedRouter(PowerOfTwoChoicesRequestRouter):
                 return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
             allowed = _not_avoided(candidate_replicas)
             preferred = self._prefix_choice(allowed, pending_request)
-            if len(allowed) < len(candidate_replicas):
-                # NOTE: Serve's power of two draws from every replica it knows, not
-                # from `candidate_replicas`: with some avoided, draw two here.
-                rest = [random.sample(allowed, min(2, len(allowed)))]
-            else:
-                rest = await super().choose_replicas(candidate_replicas, pending_request)
+            rest = self._two_choices(allowed, pending_request)
             if preferred is not None:
                 # NOTE: a second rank: if the preferred replica refuses (its queue is
                 # full), the usual choice among the rest follows.
                 return [[preferred]] + rest
             return rest
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        return self._two_choices(candidate_replicas, pending_request)
+
+    def _two_choices(self, candidates: list[RunningReplica],
+                     pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        """Two of the nearest candidates (this node's, then this zone's, then all, as
+        Serve's locality policy ranks them), as Serve's own router draws them."""
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        near = [by_id[i.unique_id] for i in self.apply_locality_routing(pending_request=pending_request)
+                if i.unique_id in by_id]
+        chosen = two_of(near or candidates)
+        return [chosen] if chosen else []
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None):
         # NOTE: a replica chosen for one request (its pin, its prefix, not an avoided
         # one) goes to that very request. Serve's FIFO policy would hand it to
         # whichever request is first in the queue: a channel pinned to replica A
         # could then open on replica B.
-        RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
+        fulfill_with_chosen_replica(self, replica, request_metadata)
 
     def _prefix_choice(self, candidates: list[RunningReplica],
                        pending_request: PendingRequest) -> RunningReplica | None:
@@ -91,7 +102,7 @@ class PinnedRouter(PowerOfTwoChoicesRequestRouter):
             return None
         key = prefix_key(prompt, self._prefix_tokens, self._block_size)
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        cache = self._replica_queue_len_cache
+        cache = self.replica_queue_len_cache
         queue_lens = {rid: cache.get(r.replica_id) for rid, r in by_id.items()}
         chosen = choose(key, list(by_id), queue_lens, self._imbalance_threshold)
         return None if chosen is None else by_id[chosen]

@@ -194,7 +194,8 @@ def _logs_dir() -> str | None:
     import ray
 
     with contextlib.suppress(Exception):
-        return os.path.join(ray._private.worker._global_node.get_logs_dir_path(), "serve")
+        context = ray.get_runtime_context()
+        return os.path.join(context.get_temp_dir(), context.get_session_name(), "logs", "serve")
     return None
 
 

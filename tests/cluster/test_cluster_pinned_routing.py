@@ -47,6 +47,9 @@ def test_admissions_avoid_a_replica_whose_engine_died(monkeypatch):
     a, b, c = _replica("a"), _replica("b"), _replica("c")
     router = object.__new__(PinnedRouter)
     router._prefix_tokens = 0
+    # NOTE: Serve's locality policy, as it answers with every replica on one node
+    router.apply_locality_routing = lambda pending_request=None: [
+        r.replica_id for r in (a, b, c)]
     replica_avoidance.avoid_replica("b")
     for _ in range(20):
         ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission()))
@@ -58,12 +61,26 @@ def test_admissions_avoid_a_replica_whose_engine_died(monkeypatch):
     replica_avoidance.avoid_replica("c")
     seen = []
 
-    async def power_of_two(self, candidates, pending=None):
+    def two_of(candidates):
         seen.append(candidates)
-        return [candidates[:2]]
-    monkeypatch.setattr(routing.PowerOfTwoChoicesRequestRouter, "choose_replicas", power_of_two)
+        return candidates[:2]
+    monkeypatch.setattr(routing, "two_of", two_of)
     ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission()))
     assert seen == [[a, b, c]] and ranks == [[a, b]]
+
+
+def test_the_two_choices_prefer_the_nearest_replicas():
+    """Serve's locality policy names this node's replicas first: the two choices are
+    drawn among them, and among all when it names none of the candidates."""
+    a, b, c = _replica("a"), _replica("b"), _replica("c")
+    router = object.__new__(PinnedRouter)
+    router._prefix_tokens = 0
+    router.apply_locality_routing = lambda pending_request=None: [c.replica_id]
+    for _ in range(10):
+        assert asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission())) == [[c]]
+    router.apply_locality_routing = lambda pending_request=None: [_replica("gone").replica_id]
+    ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission()))
+    assert len(ranks) == 1 and len(ranks[0]) == 2 and set(map(id, ranks[0])) <= {id(a), id(b), id(c)}
 
 
 def test_a_chosen_replica_goes_to_the_request_it_was_chosen_for():
