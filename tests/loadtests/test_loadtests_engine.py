@@ -1,5 +1,6 @@
 """The offline engine runner and its modes at toy sizes (figures are not checked:
 tests assert correctness, never speed), and the GPU check's CPU plumbing."""
+import pytest
 import argparse
 import json
 
@@ -8,6 +9,8 @@ from loadtests.engine_ceiling import ceiling_run
 from loadtests.bench_engine import chat_conversations, chat_sessions
 from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_engine,
                                      run_process_engine, sessions_of)
+
+pytestmark = pytest.mark.slow  # engine benchmarks end to end: not in `make test-fast`
 
 
 def test_shared_prefix_and_chat_rows():

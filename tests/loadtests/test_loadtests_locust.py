@@ -2,6 +2,7 @@
 
 Locust is never imported here: it monkey-patches the whole process with gevent.
 """
+import pytest
 import csv
 import json
 import os
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 from loadtests.fake_server import FakeServerConfig, FakeServerThread
+
+pytestmark = pytest.mark.slow  # locust runs: not in `make test-fast`
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
 

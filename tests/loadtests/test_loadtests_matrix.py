@@ -10,6 +10,8 @@ from loadtests import bench, serving_matrix
 from loadtests.local_server import LIVE, LocalServer
 from loadtests.metrics import ratio
 
+pytestmark = pytest.mark.slow  # serving-matrix runs: not in `make test-fast`
+
 
 def test_compare_runs_each_config_and_prints_one_table(tmp_path, capsys):
     out = bench.main(["compare", "--launcher", "loadtests.fake_server", "--model", "fake",

@@ -16,6 +16,8 @@ from replicas.gguf import read_gguf
 from replicas.gguf.llama_layout import hf_name, unpermute_rows
 from tests import trained_model
 
+pytestmark = pytest.mark.slow  # transformers' own load of the trained model: not in `make test-fast`
+
 TEXTS = [
     "Hello, world! How are you today?",
     "In 2024, 12345 people paid $3.50 each (a 7.5% rise).",

@@ -11,6 +11,8 @@ import torch
 from replicas import Engine, EngineConfig, SamplingParams
 from tests import trained_model
 
+pytestmark = pytest.mark.slow  # the trained model and transformers' own load: not in `make test-fast`
+
 NUM_NEW_TOKENS = 64
 # A float32 reduction in another order moves a logit by ~1e-5; a real bug moves it
 # by far more than this.
