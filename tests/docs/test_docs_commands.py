@@ -311,8 +311,10 @@ def test_bench_command_prints_its_result_block(deployment):
     snip = _one("bench")
     text = _sub(snip, snip.text, r"--port 8000\b", f"--port {deployment.port}")
     text = _sub(snip, text, r"--num-prompts \d+", "--num-prompts 8")  # the shape, not the load
-    # NOTE: 16 tokens each, not the random dataset's 128: the trained model's pace here
-    text = _sub(snip, text, r"--ignore-eos\b", "--ignore-eos --random-output-len 16")
+    # NOTE: 128 prompt and 16 output tokens each, not the random dataset's 1,024 and
+    # 128: the trained model's pace here
+    text = _sub(snip, text, r"--ignore-eos\b",
+                "--ignore-eos --random-input-len 128 --random-output-len 16")
     res = deployment.shell.run("bench", text, timeout_s=240)
     assert res.ok, res.output[-4000:]
     assert re.search(r"^Successful requests:\s+8$", res.output, re.M), res.output[-4000:]
