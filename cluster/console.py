@@ -90,5 +90,5 @@ def curl_line(base: str, model: str, has_key: bool) -> str:
     body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 32,
                        "stream": True})
     auth = ' -H "Authorization: Bearer $STEPSTREAM_API_KEY"' if has_key else ""
-    return (f"curl -N {base}/v1/completions -H 'Content-Type: application/json'{auth} "
+    return (f"curl -sN {base}/v1/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'")

@@ -301,7 +301,7 @@ def test_serve_local_flags_override_config(tmp_path):
     assert args["max_num_seqs"] == 3 and port == 8000
     assert "request_timeout_s" in args  # read from the config
     line = curl_line("http://127.0.0.1:8000", "tiny", has_key=False)
-    assert line.startswith("curl -N http://127.0.0.1:8000/v1/completions") and '"stream": true' in line
+    assert line.startswith("curl -sN http://127.0.0.1:8000/v1/completions") and '"stream": true' in line
 
 
 @pytest.mark.parametrize("request_class, body", [
