@@ -59,8 +59,9 @@ def hf_config(checkpoint: GgufFile) -> dict:
                               f"{head_dim} (partial rotary embeddings are not supported)")
     if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
         raise checkpoint.fail(f"rope scaling {meta[f'{arch}.rope.scaling.type']!r} is not supported")
-    tokens = checkpoint.array("tokenizer.ggml.tokens") or []
-    vocab_size = int(meta.get(f"{arch}.vocab_size", len(tokens)))
+    vocab_size = meta.get(f"{arch}.vocab_size")
+    if vocab_size is None:  # older files: one entry per token
+        vocab_size = len(checkpoint.array("tokenizer.ggml.tokens") or [])
     eos_ids = [int(meta[key]) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                if key in meta]
     eos_ids = list(dict.fromkeys(eos_ids))
@@ -68,7 +69,7 @@ def hf_config(checkpoint: GgufFile) -> dict:
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "torch_dtype": "float32",
-        "vocab_size": vocab_size,
+        "vocab_size": int(vocab_size),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
