@@ -1,4 +1,4 @@
-"""`make test`: the whole suite as two pytest processes at once, one lane with every
+"""`make test-lanes`: the whole suite as two pytest processes at once, one lane with every
 test that starts Ray (`-m ray`) and one with every other test.
 
 Why: the Ray tests spend most of their time waiting (Serve's drains, delays and
