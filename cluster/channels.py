@@ -39,6 +39,8 @@ class ChannelHub:
         self._replica_of: dict[str, str] = {}  # request id -> replica id
         self._attached: dict[str, set[str]] = {}  # replica id -> unfinished request ids
         self._channels: dict[str, asyncio.Task] = {}
+        # requests failed because their channel failed (the replica, not the request)
+        self._channel_lost: set[str] = set()
         self.num_channels_opened = 0
 
     def register(self, request_id: str) -> DeltaCollector:
@@ -59,11 +61,17 @@ class ChannelHub:
 
     def forget(self, request_id: str) -> None:
         self._collectors.pop(request_id, None)
+        self._channel_lost.discard(request_id)
         replica_id = self._replica_of.pop(request_id, None)
         if replica_id is not None:
             attached = self._attached.get(replica_id)
             if attached is not None:
                 attached.discard(request_id)
+
+    def lost_its_channel(self, request_id: str) -> bool:
+        """Whether the request was failed by its channel's failure (its replica died
+        or could not be reached), not by its engine."""
+        return request_id in self._channel_lost
 
     @property
     def num_open_channels(self) -> int:
@@ -113,4 +121,5 @@ class ChannelHub:
         for request_id in request_ids:
             collector = self._collectors.get(request_id)
             if collector is not None:
+                self._channel_lost.add(request_id)
                 collector.put_error(message)

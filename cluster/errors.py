@@ -15,6 +15,7 @@ import json
 import logging
 import math
 
+from ray.exceptions import RayActorError
 from starlette.responses import JSONResponse
 
 logger = logging.getLogger("ray.serve")
@@ -100,6 +101,16 @@ class ReplicaUnavailable(Exception):
         super().__init__(message, replica_id)
         self.message = message
         self.replica_id = replica_id
+
+
+def is_replica_lost(exc: BaseException) -> bool:
+    """Whether a call failed because its engine replica is gone (its actor died or
+    cannot be reached) or its engine died, rather than because of the request: a
+    request that got no token yet may then run on another replica."""
+    cause = replica_cause(exc)
+    if isinstance(cause, ReplicaUnavailable):
+        return cause.replica_id is not None
+    return isinstance(cause, RayActorError) or isinstance(exc, RayActorError)
 
 
 def replica_cause(exc: BaseException) -> BaseException:

@@ -8,10 +8,15 @@ HTTP status. `text_deltas` then drains the collector (everything pending at once
 so a consumer that falls behind gets one merged delta) through `TextStream`
 (incremental detokenizing, stop strings with hold-back).
 
-An admission refused because the replica's engine died is tried again on another
-replica (that one is avoided for a while, cluster/replica_avoidance.py), before any header
-went out. Waiting for the first token (Serve's queue, the engine's queue, the
-prefill) is bounded by `queue_timeout_s`: past it, 503 + Retry-After.
+A request whose replica is lost before its first token (the admission call fails
+because the actor died or cannot be reached, or its engine died; its channel fails
+before the first delta) is tried again on another replica, before any header went
+out, under a fresh engine request id (`<id>~<attempt>`): whatever the lost replica
+still sends for the old id is dropped, so a stream never mixes two replicas'
+deltas. A replica whose engine died is avoided for a while
+(cluster/replica_avoidance.py); Serve's router drops a dead actor by itself.
+Waiting for the first token (Serve's queue, the engine's queue, the prefill) is
+bounded by `queue_timeout_s`: past it, 503 + Retry-After.
 
 The admission call stays open until the request ends; a watcher turns its
 failure (the replica died) into an error delta. Whenever the consumer is done
@@ -26,8 +31,10 @@ import contextlib
 import logging
 from typing import AsyncIterator
 
+import msgspec
+
 from cluster.channels import ChannelHub
-from cluster.errors import ApiError, ReplicaUnavailable, replica_cause, replica_error
+from cluster.errors import ApiError, is_replica_lost, replica_cause, replica_error
 from cluster.replica_avoidance import avoid_replica
 from cluster.wire import EngineRequest, encode_request
 from deltas.collector import DeltaCollector
@@ -41,6 +48,8 @@ _FINISH_GRACE_S = 10.0
 # Admissions of one request: the first, and retries on other replicas when an
 # engine turned out dead.
 MAX_ADMISSION_ATTEMPTS = 3
+# Between a request's id and its attempt number in a retry's engine request id.
+RETRY_ID_SEP = "~"
 QUEUE_TIMEOUT_RETRY_AFTER_S = 5.0
 
 
@@ -55,7 +64,9 @@ class Relay:
         self._timeout_s = timeout_s
         self._first: TokenDelta | None = None
         self._watcher: asyncio.Task | None = None
+        self._base_id = request_id
         self._failure: ApiError | None = None  # why the admission call failed
+        self._failure_cause: BaseException | None = None
         self.timed_out = False  # the request ran past `timeout_s` and was stopped
 
     @classmethod
@@ -81,30 +92,60 @@ class Relay:
         return relay
 
     async def _admit(self, engine_stream, request: EngineRequest) -> None:
-        wire = encode_request(request)
         for attempt in range(MAX_ADMISSION_ATTEMPTS):
-            self._call = engine_stream.generate.remote(wire)
+            if attempt:
+                # NOTE: a fresh engine request id per attempt: deltas the lost
+                # replica still sends for the old id meet no collector, so a stream
+                # never mixes two replicas' deltas.
+                request = msgspec.structs.replace(
+                    request, request_id=f"{self._base_id}{RETRY_ID_SEP}{attempt}")
+                self.request_id = request.request_id
+                self._collector = self._hub.register(request.request_id)
+            last = attempt + 1 == MAX_ADMISSION_ATTEMPTS
+            self._call = engine_stream.generate.remote(encode_request(request))
             try:
                 replica_id = await self._call.__anext__()
-                break
             except asyncio.CancelledError:
                 raise
             except BaseException as e:
-                cause = replica_cause(e)
-                dead = isinstance(cause, ReplicaUnavailable) and cause.replica_id
-                if not dead or attempt + 1 == MAX_ADMISSION_ATTEMPTS:
+                if last or not is_replica_lost(e):
                     raise replica_error(e) from None
-                # its engine died; no header went out, so try another replica
-                logger.warning("engine replica %s refused %s (its engine died): avoiding it, "
-                               "trying another", cause.replica_id, request.request_id)
-                avoid_replica(cause.replica_id)
-        self._hub.attach(request.request_id, replica_id)
-        self._watcher = asyncio.create_task(self._watch())
-        first = await self._collector.get()
-        if first.finish_reason == FinishReason.ERROR:  # no header went out yet
-            raise self._failure or ApiError(500, f"The request failed: {first.error}",
-                                            code="engine_error")
-        self._first = first
+                cause = replica_cause(e)
+                dead_engine = getattr(cause, "replica_id", None)
+                logger.warning("engine replica %s lost %s before admitting it (%s): trying "
+                               "another", dead_engine or "(unknown)", request.request_id,
+                               type(cause).__name__)
+                if dead_engine:
+                    avoid_replica(dead_engine)  # its engine died; the actor still answers
+                self._forget_attempt()
+                continue
+            self._hub.attach(request.request_id, replica_id)
+            self._watcher = asyncio.create_task(self._watch())
+            first = await self._collector.get()
+            if first.finish_reason != FinishReason.ERROR:
+                self._first = first
+                return
+            # no header went out yet: a replica lost now is retried elsewhere
+            lost = self._hub.lost_its_channel(request.request_id) or (
+                self._failure_cause is not None and is_replica_lost(self._failure_cause))
+            if last or not lost:
+                raise self._failure or ApiError(500, f"The request failed: {first.error}",
+                                                code="engine_error")
+            logger.warning("engine replica %s was lost before %s's first token: trying "
+                           "another", replica_id, request.request_id)
+            avoid_replica(replica_id)
+            self._forget_attempt()
+
+    def _forget_attempt(self) -> None:
+        """Drop an attempt that failed before its first token, so the next starts
+        clean (its own collector, call and watcher)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self._call is not None:
+            self._call.cancel()
+        self._failure = self._failure_cause = None
+        self._hub.forget(self.request_id)
 
     async def text_deltas(self) -> AsyncIterator[TextDelta]:
         """Text deltas until one carries a finish reason (STOP, LENGTH, ABORT or
@@ -153,7 +194,7 @@ class Relay:
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the replica died, or the call was refused late
-            self._failure = replica_error(e)
+            self._failure, self._failure_cause = replica_error(e), e
             self._collector.put_error(self._failure.message)
             return
         await asyncio.sleep(_FINISH_GRACE_S)

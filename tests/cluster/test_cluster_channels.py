@@ -240,3 +240,102 @@ def test_consumer_cancel_and_timeout_cancel_the_admission_call(tokenizer):
         assert engine.admissions["b"].cancelled
 
     asyncio.run(run())
+
+
+# --- a replica lost before a request's first token: tried elsewhere, never mixed ---
+
+def _lost_actor():
+    from ray.exceptions import ActorDiedError
+
+    return ActorDiedError()
+
+
+def test_an_admission_on_a_dead_actor_is_retried_elsewhere_under_a_fresh_id(tokenizer):
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        engine.refusals["a"] = _lost_actor()  # routed to a replica that just died
+        engine.replica_of["a~1"] = "rep-2"
+        task = _opening(engine, hub, tokenizer, "a")
+        await _until(lambda: engine.channels.get("rep-2"))
+        engine.step("rep-2", _delta("a~1", [65], 1))
+        relay = await task
+        assert relay.request_id == "a~1" and list(engine.admissions) == ["a", "a~1"]
+        engine.step("rep-2", _delta("a~1", [66], 2, finish=True))
+        out = [td async for td in relay.text_deltas()]
+        assert "".join(td.text for td in out) == tokenizer.decode([65, 66])
+        assert hub._collectors == {}
+
+    asyncio.run(run())
+
+
+def test_a_replica_lost_after_admitting_is_retried_and_its_late_deltas_are_dropped(tokenizer):
+    from ray.exceptions import ActorUnavailableError
+
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        engine.replica_of["a~1"] = "rep-2"
+        task = _opening(engine, hub, tokenizer, "a")
+        await _until(lambda: "a" in engine.admissions and engine.channels.get("rep-1"))
+        await asyncio.sleep(0.01)
+        # rep-1 admitted it, then cannot be reached before the first token
+        engine.admissions["a"].put(ActorUnavailableError("unreachable", None))
+        await _until(lambda: engine.channels.get("rep-2"))
+        # rep-1 still sends for the old id (it was alive after all): never delivered
+        engine.step("rep-1", _delta("a", [70], 1), _delta("a", [71], 2, finish=True))
+        engine.step("rep-2", _delta("a~1", [65], 1))
+        relay = await task
+        assert engine.admissions["a"].cancelled  # the old attempt is aborted on rep-1
+        engine.step("rep-2", _delta("a~1", [66], 2, finish=True))
+        out = [td async for td in relay.text_deltas()]
+        assert "".join(td.text for td in out) == tokenizer.decode([65, 66])
+        assert out[-1].finish_reason == FinishReason.LENGTH
+
+    asyncio.run(run())
+
+
+def test_a_channel_lost_before_the_first_token_is_retried_elsewhere(tokenizer):
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        engine.replica_of["a~1"] = "rep-2"
+        task = _opening(engine, hub, tokenizer, "a")
+        await _until(lambda: engine.channels.get("rep-1"))
+        await asyncio.sleep(0.01)
+        engine.channels["rep-1"][-1].put(_lost_actor())  # the replica's node is gone
+        await _until(lambda: engine.channels.get("rep-2"))
+        engine.step("rep-2", _delta("a~1", [65], 1, finish=True))
+        relay = await task
+        out = [td async for td in relay.text_deltas()]
+        assert out[-1].finish_reason == FinishReason.LENGTH and not hub._collectors
+
+    asyncio.run(run())
+
+
+def test_errors_of_the_request_itself_are_not_retried_and_retries_are_bounded(tokenizer):
+    from cluster.relay import MAX_ADMISSION_ATTEMPTS
+
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        # the engine fails the request (not the replica): the error is the answer
+        task = _opening(engine, hub, tokenizer, "a")
+        await _until(lambda: engine.channels.get("rep-1"))
+        await asyncio.sleep(0.01)
+        error = TokenDelta("a", [], num_prompt_tokens=2, num_output_tokens=0,
+                           finish_reason=FinishReason.ERROR, error="step failed")
+        engine.step("rep-1", error)
+        with pytest.raises(ApiError) as info:
+            await task
+        assert info.value.status == 500 and list(engine.admissions) == ["a"]
+        # every replica tried is dead: 503 after the last attempt
+        engine.refusals.update({"b": _lost_actor(), "b~1": _lost_actor(), "b~2": _lost_actor()})
+        with pytest.raises(ApiError) as info:
+            await _open(engine, hub, tokenizer, "b")
+        assert info.value.status == 503
+        assert [r for r in engine.admissions if r.startswith("b")] == (
+            ["b"] + [f"b~{i}" for i in range(1, MAX_ADMISSION_ATTEMPTS)])
+        assert hub._collectors == {}
+
+    asyncio.run(run())

@@ -234,6 +234,9 @@ def test_load_scales_onto_another_node_and_back_without_cutting_streams(cluster,
 
 NODE_LOSS_STREAMS = 50
 NODE_LOSS_TOKENS = 64
+NODE_LOSS_PROBES = 20
+PROBE_INTERVAL_S = 0.25
+PROBE_TOKENS = 4
 
 
 def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, engine,
@@ -251,12 +254,12 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
         ended_at[i] = time.monotonic()
         return r
 
-    async def probe(client, killed_at: float):
-        """A new request: (seconds after the kill it was sent, the response, seconds
-        after the kill it was answered)."""
+    async def probe(client, j: int, killed_at: float):
+        """A new request, streamed or not: (seconds after the kill it was sent, the
+        response, seconds after the kill it was answered)."""
         sent = time.monotonic()
-        r = await client.post(cluster.base + "/v1/completions",
-                              json=_body(PROMPTS[0], 4, stream=False))
+        body = _body(PROMPTS[j % len(PROMPTS)], PROBE_TOKENS, stream=j % 2 == 0)
+        r = await stream_request(client, cluster.base + "/v1/completions", body)
         return sent - killed_at, r, time.monotonic() - killed_at
 
     async def run():
@@ -273,9 +276,9 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
             killed_at = time.monotonic()
             await asyncio.to_thread(cluster.remove, nodes[victim])
             probes = []
-            for _ in range(10):  # a new request every half second meanwhile
-                probes.append(asyncio.ensure_future(probe(client, killed_at)))
-                await asyncio.sleep(0.5)
+            for j in range(NODE_LOSS_PROBES):  # new requests arrive meanwhile
+                probes.append(asyncio.ensure_future(probe(client, j, killed_at)))
+                await asyncio.sleep(PROBE_INTERVAL_S)
             results = await asyncio.wait_for(asyncio.gather(*streams), 120)
             return stats, victim, killed_at, results, await asyncio.gather(*probes)
 
@@ -292,14 +295,17 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
             _assert_complete(r, texts[i % len(PROMPTS)])
     errors_s = max(ended_at[i] for i in failed) - killed_at
     # New requests go to the node left. Until Serve learns that the replica is gone,
-    # an ingress replica may still pick it: then 503 + Retry-After (the request may
-    # have reached it, so it is not sent again), at most once per ingress replica.
-    refused = [(sent, r) for sent, r, _ in probes if r.status_code != 200]
-    for sent, r in refused:
-        assert r.status_code == 503 and r.headers.get("retry-after"), (sent, r.text)
-        assert is_openai_error(r.json()) and sent < 3.0, (sent, r.text)
-    assert len(refused) <= 2, [(sent, r.text) for sent, r in refused]
-    first_ok_s = min(answered for _, r, answered in probes if r.status_code == 200)
+    # an ingress replica may still pick it: the request had no token yet, so it runs
+    # on the other replica under a fresh engine request id (cluster/relay.py), and
+    # no client sees the loss.
+    probe_texts = reference(PROBE_TOKENS)
+    for j, (sent, r, _) in enumerate(probes):
+        assert r.status == 200, (j, sent, r.status, r.body[:300])
+        if r.events:
+            _assert_complete(r, probe_texts[j % len(PROMPTS)])
+        else:
+            assert r.json()["choices"][0]["text"] == probe_texts[j % len(PROMPTS)], j
+    first_ok_s = min(answered for _, _, answered in probes)
 
     # Serve replaces the lost replica on the node left free.
     def replaced():
@@ -322,8 +328,8 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
     served_s = time.monotonic() - killed_at
     print(f"\nnode loss: {len(failed)} of {NODE_LOSS_STREAMS} streams were on the lost node and "
           f"ended with an error event within {errors_s:.2f} s; the other "
-          f"{NODE_LOSS_STREAMS - len(failed)} equal the offline text; of {len(probes)} new "
-          f"requests meanwhile {len(probes) - len(refused)} got 200 (the first answered "
-          f"{first_ok_s:.2f} s after the kill), {len(refused)} a 503 + Retry-After; "
+          f"{NODE_LOSS_STREAMS - len(failed)} equal the offline text; {len(probes)} new "
+          f"requests meanwhile all complete (the first answered {first_ok_s:.2f} s after "
+          "the kill); "
           f"replacement RUNNING on the free node {replaced_s:.1f} s, serving "
           f"{served_s:.1f} s after the kill")
