@@ -10,6 +10,7 @@ options of the two deployments. Torch-free.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable
 
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
@@ -74,6 +75,13 @@ class AppArgs(EngineArgs):
     ingress_num_cpus: float = Field(0.5, ge=0.0, description="CPUs per ingress replica")
     ingress_max_ongoing_requests: int = Field(
         1000, ge=1, description="requests one ingress replica serves at once")
+    ingress_max_pending_requests: int | None = Field(
+        None, ge=-1, description="requests one ingress replica holds that have no first token "
+        "yet (being validated, queued, prefilled); past it new ones get 429 + Retry-After "
+        "before their body is read, so a burst never starves the streams already running; "
+        "null: what the engine replicas admit at once (max_num_seqs + max_waiting_requests, "
+        "or 2 x max_num_seqs, times num_engine_replicas or autoscaling's max_replicas) over "
+        "num_ingress_replicas; -1: unbounded")
     engine_max_ongoing_requests: int | None = Field(
         None, ge=1, description=f"requests Serve lets through to one engine replica; null: "
         f"max_num_seqs + max_waiting_requests (or 2 x max_num_seqs) + the slots kept from "
@@ -149,6 +157,10 @@ class AppArgs(EngineArgs):
                 f"engine_max_ongoing_requests must be > {reserved} ({_UNARY_HEADROOM} slots "
                 f"for unary calls and one channel per ingress replica are kept from "
                 f"admissions), got {self.engine_max_ongoing_requests}")
+        if self.ingress_max_pending_requests == 0:
+            raise ValueError("ingress_max_pending_requests must be >= 1, or -1 (unbounded), "
+                             "or null (derived from the engine's bounds); 0 would refuse "
+                             "every request")
         if self.api_key and self.api_key_sha256:
             raise ValueError("set either api_key or api_key_sha256, not both")
         if (self.request_timeout_s is not None
@@ -199,6 +211,23 @@ class AppArgs(EngineArgs):
         """Admitted requests an engine replica holds at most: its slots less the
         reserved ones (past it: 429 + Retry-After)."""
         return self.engine_max_ongoing - self.engine_reserved_slots
+
+    @property
+    def max_engine_replicas(self) -> int:
+        if self.autoscaling is not None:
+            return int(self.autoscaling.get("max_replicas", 1))
+        return self.num_engine_replicas
+
+    @property
+    def ingress_max_pending(self) -> int | None:
+        """Requests without a first token one ingress replica holds at most (None:
+        unbounded); see cluster/pending_gate.py."""
+        if self.ingress_max_pending_requests == -1:
+            return None
+        if self.ingress_max_pending_requests is not None:
+            return self.ingress_max_pending_requests
+        admitted = self.engine_max_admitted * self.max_engine_replicas
+        return max(1, math.ceil(admitted / self.num_ingress_replicas))
 
     def engine_options(self) -> dict:
         max_ongoing = self.engine_max_ongoing
@@ -255,4 +284,4 @@ def make_app(args: AppArgs, engine_factory: Callable | None = None) -> Applicati
         api_key_sha256=args.api_key_digest(),
         allow_unauthenticated=args.allow_unauthenticated,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
-        queue_timeout_s=args.queue_timeout_s)
+        queue_timeout_s=args.queue_timeout_s, max_pending_requests=args.ingress_max_pending)

@@ -1,7 +1,9 @@
 """Ingress: the OpenAI-compatible HTTP API, a Ray Serve deployment over FastAPI.
 
-Per request: auth -> read the body (size-bounded) -> parse (pydantic: JSON types
-and the API's own fields) -> SamplingParams (their own rules) -> chat template ->
+Per request: auth -> the ingress's bound on requests without a first token
+(cluster/pending_gate.py: 429 past it, before any other work) -> read the body
+(size-bounded) -> parse (pydantic: JSON types and the API's own fields) ->
+SamplingParams (their own rules) -> chat template ->
 tokenize (off the event loop, after a cheap length check) -> the model's limits
 (`replicas.request_validation.RequestLimits`) -> admit an `EngineRequest` on an
 EngineReplica through a Serve handle -> deltas on the per-step channel
@@ -34,6 +36,7 @@ from cluster.channels import ChannelHub
 from cluster.choices import choice_requests, open_relays
 from cluster.errors import replica_error
 from cluster.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter
+from cluster.pending_gate import PendingGate
 from cluster.response_writer import json_body, sse_events
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 from replicas.request_validation import RequestLimits
@@ -218,6 +221,13 @@ def _ingress_identity() -> tuple[str, object]:
     return f"{replica_id}-{uuid.uuid4().hex}", handle
 
 
+def _server_timing(first_token_s: float) -> str:
+    """The `Server-Timing` header of an answer: from the moment this ingress let the
+    request in (cluster/pending_gate.py) to its first token, in ms. What a client
+    measures on top of it is the network, the front door and its own queue."""
+    return f"ttft;dur={first_token_s * 1000:.1f}"
+
+
 HEALTH_CACHE_TTL_S = 1.0
 
 
@@ -265,7 +275,8 @@ class Ingress:
                  api_key_sha256: str | None = None, allow_unauthenticated: bool = False,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  request_timeout_s: float | None = None,
-                 queue_timeout_s: float | None = None) -> None:
+                 queue_timeout_s: float | None = None,
+                 max_pending_requests: int | None = None) -> None:
         from deltas.tokenization.tokenizer import Tokenizer
         from replicas.presets import resolve_tokenizer_dir
 
@@ -288,6 +299,7 @@ class Ingress:
         self._max_body_bytes = max_body_bytes
         self._request_timeout_s = request_timeout_s
         self._queue_timeout_s = queue_timeout_s
+        self._pending = PendingGate(max_pending_requests)
         self._model_info: dict | None = None
         self._limits: RequestLimits | None = None  # from the engine's model_info
         self._created = int(time.time())
@@ -347,30 +359,38 @@ class Ingress:
         unsupported = _unsupported_media_type(request)
         if unsupported is not None:
             raise unsupported
-        body = await self._read_body(request)
-        req = _parse(ChatCompletionRequest if chat else CompletionRequest, body)
-        if req.model != self._served_model_name:
-            raise ApiError(404, f"The model '{req.model}' does not exist; this server "
-                           f"serves '{self._served_model_name}'", param="model",
-                           code="model_not_found")
-        params = _sampling_params(req)
-        info = await self._info()
-        self._check_prompt_chars(req, chat, info["max_model_len"])
-        # NOTE: off the event loop: a long prompt or chat template must not stall
-        # every other stream of this ingress.
-        prompt_ids = await asyncio.to_thread(self._prompt_ids, req, chat)
-        _check_limits(self._limits, prompt_ids, params)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        started_at = time.monotonic()
-        # NOTE: n choices are n engine requests, bounded and aborted as n (cluster/choices.py)
-        engine_requests = choice_requests(request_id, prompt_ids, params, self._channels.owner,
-                                          req.n)
-        relays = await open_relays(
-            self._engine_stream, self._channels, engine_requests,
-            lambda: TextStream(self._tokenizer, stop=req.stop_strings,
-                               include_stop_str_in_output=req.include_stop_str_in_output,
-                               skip_special_tokens=req.skip_special_tokens),
-            timeout_s=self._request_timeout_s, queue_timeout_s=self._queue_timeout_s)
+        # NOTE: before the body is read: past the bound a request costs a counter check.
+        self._pending.enter()
+        admitted_at = time.monotonic()
+        try:
+            body = await self._read_body(request)
+            req = _parse(ChatCompletionRequest if chat else CompletionRequest, body)
+            if req.model != self._served_model_name:
+                raise ApiError(404, f"The model '{req.model}' does not exist; this server "
+                               f"serves '{self._served_model_name}'", param="model",
+                               code="model_not_found")
+            params = _sampling_params(req)
+            info = await self._info()
+            self._check_prompt_chars(req, chat, info["max_model_len"])
+            # NOTE: off the event loop: a long prompt or chat template must not stall
+            # every other stream of this ingress.
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, req, chat)
+            _check_limits(self._limits, prompt_ids, params)
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            started_at = time.monotonic()
+            # NOTE: n choices are n engine requests, bounded and aborted as n
+            # (cluster/choices.py)
+            engine_requests = choice_requests(request_id, prompt_ids, params,
+                                              self._channels.owner, req.n)
+            relays = await open_relays(
+                self._engine_stream, self._channels, engine_requests,
+                lambda: TextStream(self._tokenizer, stop=req.stop_strings,
+                                   include_stop_str_in_output=req.include_stop_str_in_output,
+                                   skip_special_tokens=req.skip_special_tokens),
+                timeout_s=self._request_timeout_s, queue_timeout_s=self._queue_timeout_s)
+        finally:
+            self._pending.leave()  # its first token is in, or it was refused
+        timing = {"Server-Timing": _server_timing(time.monotonic() - admitted_at)}
         formatter_cls = ChatFormatter if chat else CompletionFormatter
         formatter = formatter_cls(request_id, self._served_model_name, int(time.time()),
                                   include_usage=req.include_usage)
@@ -379,9 +399,10 @@ class Ingress:
             events = sse_events(relays, formatter, chat, token_text, self._metrics, started_at,
                                 len(prompt_ids))
             return StreamingResponse(events, media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+                                     headers={**SSE_HEADERS, **timing})
         return JSONResponse(await json_body(relays, formatter, chat, token_text,
-                                            len(prompt_ids), metrics=self._metrics))
+                                            len(prompt_ids), metrics=self._metrics),
+                            headers=timing)
 
     def _check_prompt_chars(self, req, chat: bool, max_model_len: int) -> None:
         """400 before tokenizing a prompt too long for the context whatever it holds."""

@@ -6,7 +6,11 @@ Not a test module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -23,6 +27,7 @@ class StreamResult:
     events: list = field(default_factory=list)  # parsed JSON events, "[DONE]" as a str
     body: bytes = b""  # the whole body of a non-SSE answer
     disconnected: bool = False  # we hung up before the end
+    event_times: list = field(default_factory=list)  # time.monotonic() each event came
 
     @property
     def done(self) -> bool:
@@ -66,6 +71,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict,
         parser = StreamParser(keep_events=True, events=result.events)
         async for line in r.aiter_lines():
             parser.feed(line, 0.0)
+            now = time.monotonic()
+            result.event_times.extend(now for _ in range(len(result.events)
+                                                         - len(result.event_times)))
             if hang_up_after_events is not None and len(result.events) >= hang_up_after_events:
                 result.disconnected = True
                 return result
@@ -157,3 +165,16 @@ def greedy_texts(model: str, engine_args: dict, prompts: list[str]):
             cache[max_tokens] = [tokenizer.decode(o.token_ids) for o in outs]
         return cache[max_tokens]
     return texts
+
+
+@contextlib.contextmanager
+def busy_core(cpu: int = 0):
+    """A busy loop pinned to one core while the block runs: the machine at about
+    half its speed for whatever shares that core."""
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
