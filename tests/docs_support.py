@@ -13,6 +13,7 @@ only the processes the sandbox started and nothing outlives the shell.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -24,8 +25,13 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
+from cluster_support import free_port
+from loadtests.openai_stream import StreamParser
+
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "cluster/README.md", "loadtests/README.md")
+DOCS = ("README.md", "cluster/README.md", "loadtests/README.md", "docs/multinode.md")
 
 _TAG = re.compile(r"^\s*<!--\s*docs-test:\s*([A-Za-z0-9_-]+)\s*-->\s*$")
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([A-Za-z0-9_+-]*)\s*$")
@@ -106,6 +112,35 @@ def distinct(snippets: list[Snippet]) -> list[Snippet]:
     return list(seen.values())
 
 
+def one_snippet(tag: str) -> Snippet:
+    """The block of `tag`; where two docs give it, they must give the same commands."""
+    variants = distinct(all_snippets()[tag])
+    assert len(variants) == 1, (
+        f"`{tag}` differs between {[s.where for s in variants]}: keep the docs in step")
+    return variants[0]
+
+
+def substitute(snip: Snippet, text: str, pattern: str, repl: str) -> str:
+    """`text` (from `snip`) with `pattern` replaced; the block must contain it."""
+    new, n = re.subn(pattern, lambda _m: repl, text)
+    assert n, f"{snip.where}: no {pattern!r} in the `{snip.tag}` block (the test substitutes it)"
+    return new
+
+
+def head_on_free_ports(snip: Snippet, text: str, gcs: int, dashboard: int, client: int,
+                       agent: int) -> str:
+    """`ray start --head` on free ports instead of Ray's fixed ones (6379, 8265, 10001,
+    52365), which another Ray on this machine may hold."""
+    return substitute(snip, text, r"\bray start --head\b",
+                      f"ray start --head --port={gcs} --dashboard-port={dashboard} "
+                      f"--ray-client-server-port={client} --dashboard-agent-listen-port={agent}")
+
+
+def preamble() -> str:
+    """The docs' venv activation, as every shell of theirs starts."""
+    return with_venv(one_snippet("venv").text)
+
+
 # --- the sandbox --------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
@@ -140,6 +175,55 @@ def leftovers(log: str) -> list[str] | None:
     """Ray processes still alive when the shell ended (None: not measurable here)."""
     m = re.search(r"__LEFTOVERS__\n(.*?)__END_LEFTOVERS__", log, re.S)
     return None if m is None else [line for line in m.group(1).splitlines() if line.strip()]
+
+
+# --- what a user sees -----------------------------------------------------------
+
+READY_TIMEOUT_S = 300.0  # a cold Ray and the app on a busy 2-core machine
+
+
+def free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
+
+
+def assert_streams(output: str) -> None:
+    """`output` is one SSE stream that ends with `data: [DONE]`, with an answer and
+    no error event."""
+    parsed = StreamParser.of(output)
+    assert parsed.events and parsed.events[-1] == "[DONE]", (
+        f"the stream did not end with data: [DONE]:\n{output[-3000:]}")
+    assert not parsed.error, output[-3000:]  # no error event, no bad JSON
+    events = parsed.events[:-1]
+    assert len(events) >= 2 and parsed.text, f"expected a streamed answer:\n{output[-3000:]}"
+
+
+def wait_healthy(base: str, alive=lambda: True, timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        # NOTE: a patient client, as curl is: while the engine replica starts, /health
+        # waits for it (up to the ingress's own 10 s check timeout).
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + "/health", timeout=30).status_code == 200:
+                return
+        assert alive(), "the server ended before /health answered"
+        time.sleep(0.5)
+    raise TimeoutError(f"{base}/health did not answer 200 within {timeout_s:.0f}s")
+
+
+def wait_closed(port: int, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        except httpx.HTTPError:
+            return True
+        time.sleep(0.5)
+    return False
 
 
 class Sandbox:

@@ -37,10 +37,10 @@ import pytest
 import yaml
 
 from cluster_support import free_port
-from loadtests.openai_stream import StreamParser
 from docs_support import (
-    MAKE_VARS, REPO, Foreground, Shell, Snippet, all_snippets, distinct, leftovers, read_snippets,
-    shell_commands, venv_dir, with_venv,
+    MAKE_VARS, READY_TIMEOUT_S, REPO, Foreground, Shell, Snippet, all_snippets, assert_streams,
+    distinct, free_ports, head_on_free_ports, leftovers, one_snippet, preamble, read_snippets,
+    shell_commands, substitute, venv_dir, wait_closed, wait_healthy, with_venv,
 )
 
 SNIPPETS = all_snippets()
@@ -52,25 +52,13 @@ EXPECTED_TAGS = {
     # The commands are README.md's alone; cluster/README.md links to them.
     "cluster/README.md": {"openai"},
     "loadtests/README.md": set(),
+    # tests/docs/test_multinode_commands.py runs them
+    "docs/multinode.md": {"multinode-up", "multinode-config", "multinode-curl", "multinode-down"},
 }
-READY_TIMEOUT_S = 300.0  # a cold Ray and the app on a busy 2-core machine
-
-
-def _one(tag: str) -> Snippet:
-    variants = distinct(SNIPPETS[tag])
-    assert len(variants) == 1, (
-        f"`{tag}` differs between {[s.where for s in variants]}: keep the docs in step")
-    return variants[0]
-
-
-def _sub(snip: Snippet, text: str, pattern: str, repl: str) -> str:
-    new, n = re.subn(pattern, lambda _m: repl, text)
-    assert n, f"{snip.where}: no {pattern!r} in the `{snip.tag}` block (the test substitutes it)"
-    return new
 
 
 def _local_port(snip: Snippet, text: str, port: int) -> str:
-    return _sub(snip, text, r"\b(?:127\.0\.0\.1|localhost):8000\b", f"127.0.0.1:{port}")
+    return substitute(snip, text, r"\b(?:127\.0\.0\.1|localhost):8000\b", f"127.0.0.1:{port}")
 
 
 def _serve_config(snip: Snippet, text: str, dest: Path, port: int) -> str:
@@ -78,57 +66,11 @@ def _serve_config(snip: Snippet, text: str, dest: Path, port: int) -> str:
     config = yaml.safe_load((REPO / "configs/serve.yaml").read_text())
     config["http_options"]["port"] = port
     dest.write_text(yaml.safe_dump(config, sort_keys=False))
-    return _sub(snip, text, r"(?<![\w/.-])configs/serve\.yaml\b", str(dest))
-
-
-def _assert_streams(output: str) -> None:
-    parsed = StreamParser.of(output)
-    assert parsed.events and parsed.events[-1] == "[DONE]", (
-        f"the stream did not end with data: [DONE]:\n{output[-3000:]}")
-    assert not parsed.error, output[-3000:]  # no error event, no bad JSON
-    events = parsed.events[:-1]
-    assert len(events) >= 2 and parsed.text, f"expected a streamed answer:\n{output[-3000:]}"
-
-
-def _wait_healthy(base: str, alive=lambda: True, timeout_s: float = READY_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        # NOTE: a patient client, as curl is: while the engine replica starts, /health
-        # waits for it (up to the ingress's own 10 s check timeout).
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base + "/health", timeout=30).status_code == 200:
-                return
-        assert alive(), "the server ended before /health answered"
-        time.sleep(0.5)
-    raise TimeoutError(f"{base}/health did not answer 200 within {timeout_s:.0f}s")
-
-
-def _wait_closed(port: int, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-        except httpx.HTTPError:
-            return True
-        time.sleep(0.5)
-    return False
-
-
-def _free_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        p = free_port()
-        if p not in ports:
-            ports.append(p)
-    return ports
-
-
-def _preamble() -> str:
-    return with_venv(_one("venv").text)
+    return substitute(snip, text, r"(?<![\w/.-])configs/serve\.yaml\b", str(dest))
 
 
 def _run_bash(sandbox, text: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", with_venv(_one("venv").text) + text], cwd=REPO,
+    return subprocess.run(["bash", "-c", preamble() + text], cwd=REPO,
                           env=sandbox.env("oneshot"), capture_output=True, text=True,
                           timeout=timeout_s)
 
@@ -151,17 +93,18 @@ def test_docs_mark_the_blocks_the_tests_run():
 
 @pytest.mark.parametrize("tag", LIFECYCLE)
 def test_each_way_to_run_it_reads_the_same_in_every_doc(tag):
-    _one(tag)
+    one_snippet(tag)
 
 
 def test_deploy_path_sends_ray_token_and_keeps_auth_on():
-    up = shell_commands(_one("deploy-up").text)
+    up = shell_commands(one_snippet("deploy-up").text)
     first = {name: next(i for i, c in enumerate(up) if c.startswith(name))
              for name in ("export RAY_AUTH_MODE=token", "ray get-auth-token --generate",
                           "ray start --head", "serve deploy", "serve status")}
     assert first["export RAY_AUTH_MODE=token"] < first["ray start --head"] < first["serve deploy"]
     assert first["ray get-auth-token --generate"] < first["ray start --head"]
-    assert any(c.startswith("serve shutdown") for c in shell_commands(_one("deploy-down").text))
+    down = shell_commands(one_snippet("deploy-down").text)
+    assert any(c.startswith("serve shutdown") for c in down)
     for snip in (s for snips in SNIPPETS.values() for s in snips):
         assert "RAY_AUTH_MODE=disabled" not in snip.text, snip.where
     for path in (REPO / "configs").glob("*.yaml"):
@@ -172,7 +115,7 @@ def test_deploy_path_sends_ray_token_and_keeps_auth_on():
 
 class Deployment:
     def __init__(self, sandbox):
-        self.port, self.gcs, self.dashboard, self.client, self.agent = _free_ports(5)
+        self.port, self.gcs, self.dashboard, self.client, self.agent = free_ports(5)
         self.base = f"http://127.0.0.1:{self.port}"
         self.shell = Shell(sandbox, "deploy",
                            RAY_DASHBOARD_ADDRESS=f"http://127.0.0.1:{self.dashboard}")
@@ -183,19 +126,16 @@ class Deployment:
         self.shell_log = None
 
     def start(self) -> None:
-        venv = self.shell.run("venv", _preamble())
+        venv = self.shell.run("venv", preamble())
         assert venv.ok, venv.output
-        snip = _one("deploy-up")
+        snip = one_snippet("deploy-up")
         text = _serve_config(snip, with_venv(snip.text), self.sandbox.root / "serve-deploy.yaml",
                              self.port)
-        text = _sub(snip, text, r"\bray start --head\b",
-                    f"ray start --head --port={self.gcs} --dashboard-port={self.dashboard} "
-                    f"--ray-client-server-port={self.client} "
-                    f"--dashboard-agent-listen-port={self.agent}")
+        text = head_on_free_ports(snip, text, self.gcs, self.dashboard, self.client, self.agent)
         self.up = self.shell.run("deploy-up", text, timeout_s=240)
         if self.up.ok:
             try:
-                _wait_healthy(self.base)
+                wait_healthy(self.base)
             except (TimeoutError, AssertionError) as exc:
                 self.ready_error = f"{exc}\n{self.sandbox.ray_logs('deploy')}"
 
@@ -206,7 +146,7 @@ class Deployment:
 
     def down(self):
         if self.down_result is None:
-            snip = _one("deploy-down")
+            snip = one_snippet("deploy-down")
             try:
                 self.down_result = self.shell.run("deploy-down", with_venv(snip.text), timeout_s=120)
             finally:
@@ -243,7 +183,8 @@ def test_deploy_up_runs_as_written_with_ray_token_auth_on(deployment, sandbox):
 @pytest.mark.timeout(300)
 def test_serve_status_says_running(deployment):
     deployment.require_up()
-    (status,) = [c for c in shell_commands(_one("deploy-up").text) if c.startswith("serve status")]
+    up = shell_commands(one_snippet("deploy-up").text)
+    (status,) = [c for c in up if c.startswith("serve status")]
     deadline = time.monotonic() + 120
     while True:
         res = deployment.shell.run("serve-status", status + "\n", timeout_s=60)
@@ -262,7 +203,7 @@ def test_curl_example_streams_to_done(deployment, snip):
     deployment.require_up()
     res = deployment.shell.run("curl", _local_port(snip, snip.text, deployment.port), timeout_s=120)
     assert res.ok, res.output
-    _assert_streams(res.output)
+    assert_streams(res.output)
 
 
 @pytest.mark.ray
@@ -282,16 +223,16 @@ def test_openai_client_example_prints_a_streamed_answer(deployment, snip):
 @pytest.mark.timeout(300)
 def test_locust_headless_command_writes_ttft_itl_tpot_rows(deployment, sandbox):
     deployment.require_up()
-    snip = _one("locust")
+    snip = one_snippet("locust")
     out = sandbox.root / "locust-results"
     text = _local_port(snip, snip.text, deployment.port)
     # NOTE: locust rewrites the CSV once a second and not at exit: the run must outlast
     # the first requests (~7 s each at 32 users on 2 cores; more on a slower machine).
-    text = _sub(snip, text, r"--run-time \S+", "--run-time 20s")
+    text = substitute(snip, text, r"--run-time \S+", "--run-time 20s")
     # NOTE: the trained model makes ~200 tok/s here: 128 tokens for each of 32 users
     # would end no request within the run
-    text = _sub(snip, text, r"--output-len \d+", "--output-len 16")
-    text = _sub(snip, text, r"--csv results/", f"--csv {out}/")
+    text = substitute(snip, text, r"--output-len \d+", "--output-len 16")
+    text = substitute(snip, text, r"--csv results/", f"--csv {out}/")
     res = deployment.shell.run("locust", text, timeout_s=120)
     assert res.ok, res.output[-4000:]
     prefix = re.search(r"--csv (\S+)", text).group(1)
@@ -308,13 +249,14 @@ def test_locust_headless_command_writes_ttft_itl_tpot_rows(deployment, sandbox):
 @pytest.mark.timeout(300)
 def test_bench_command_prints_its_result_block(deployment):
     deployment.require_up()
-    snip = _one("bench")
-    text = _sub(snip, snip.text, r"--port 8000\b", f"--port {deployment.port}")
-    text = _sub(snip, text, r"--num-prompts \d+", "--num-prompts 8")  # the shape, not the load
+    snip = one_snippet("bench")
+    text = substitute(snip, snip.text, r"--port 8000\b", f"--port {deployment.port}")
+    # the shape, not the load
+    text = substitute(snip, text, r"--num-prompts \d+", "--num-prompts 8")
     # NOTE: 128 prompt and 16 output tokens each, not the random dataset's 1,024 and
     # 128: the trained model's pace here
-    text = _sub(snip, text, r"--ignore-eos\b",
-                "--ignore-eos --random-input-len 128 --random-output-len 16")
+    text = substitute(snip, text, r"--ignore-eos\b",
+                      "--ignore-eos --random-input-len 128 --random-output-len 16")
     res = deployment.shell.run("bench", text, timeout_s=240)
     assert res.ok, res.output[-4000:]
     assert re.search(r"^Successful requests:\s+8$", res.output, re.M), res.output[-4000:]
@@ -327,7 +269,7 @@ def test_deploy_down_stops_serve_and_ray(deployment):
     deployment.require_up()
     res = deployment.down()
     assert res.ok, res.output
-    assert _wait_closed(deployment.port), "Serve still answers after serve shutdown + ray stop"
+    assert wait_closed(deployment.port), "Serve still answers after serve shutdown + ray stop"
     left = leftovers(deployment.shell_log)
     assert not left, f"Ray processes left after `ray stop`: {left}"
 
@@ -337,21 +279,21 @@ def test_deploy_down_stops_serve_and_ray(deployment):
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_serve_run_serves_until_ctrl_c(sandbox):
-    snip = _one("serve-run")
+    snip = one_snippet("serve-run")
     port = free_port()
     text = _serve_config(snip, with_venv(snip.text), sandbox.root / "serve-run.yaml", port)
-    fg = Foreground(sandbox, "serve-run", _preamble(), text)
+    fg = Foreground(sandbox, "serve-run", preamble(), text)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", alive=lambda: fg.proc.poll() is None)
+        wait_healthy(f"http://127.0.0.1:{port}", alive=lambda: fg.proc.poll() is None)
         curl = _one_curl()
         res = _run_bash(sandbox, _local_port(curl, curl.text, port))
         assert res.returncode == 0, res.stderr
-        _assert_streams(res.stdout)
+        assert_streams(res.stdout)
         rc = fg.interrupt()
     finally:
         fg.kill()
     assert rc == 0, fg.output()[-4000:]
-    assert _wait_closed(port)
+    assert wait_closed(port)
     left = leftovers(fg.output())
     assert not left, f"Ray processes left after Ctrl-C: {left}"
 
@@ -367,7 +309,7 @@ def _one_curl() -> Snippet:
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_serve_prints_url_and_a_curl_line_that_streams(sandbox):
-    snip = _one("make-serve")
+    snip = one_snippet("make-serve")
     port = free_port()
     venv = venv_dir()
     # NOTE: -o names the stamp exactly as the Makefile does ($(VENV)/.installed): make
@@ -380,18 +322,18 @@ def test_make_serve_prints_url_and_a_curl_line_that_streams(sandbox):
     assert dry.stdout.splitlines() == [
         f"{venv}/bin/python -m cluster.serve_local --model 'smollm2-135m' --port {port}"], (
         dry.stdout + dry.stderr)
-    text = _sub(snip, snip.text, r"^make serve\b", shlex.join(["make", *args]))
-    fg = Foreground(sandbox, "make-serve", _preamble(), text)
+    text = substitute(snip, snip.text, r"^make serve\b", shlex.join(["make", *args]))
+    fg = Foreground(sandbox, "make-serve", preamble(), text)
     try:
         url = fg.wait_for(r"^Serving at (\S+)$", READY_TIMEOUT_S).group(1)
         assert url == f"http://127.0.0.1:{port}/v1"
         curl_line = fg.wait_for(r"^curl .*$", 10).group(0)
         res = _run_bash(sandbox, curl_line)
         assert res.returncode == 0, res.stderr
-        _assert_streams(res.stdout)
+        assert_streams(res.stdout)
         fg.interrupt()  # make's own status after Ctrl-C is 2 or 130: not the launcher's
     finally:
         fg.kill()
-    assert _wait_closed(port), "Serve still answers after Ctrl-C"
+    assert wait_closed(port), "Serve still answers after Ctrl-C"
     left = leftovers(fg.output())
     assert not left, f"Ray processes left after Ctrl-C: {left}"
