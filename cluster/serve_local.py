@@ -6,7 +6,7 @@ by --num-cpus; Prometheus metrics on --metrics-port), Serve's front door on
 --host/--port and the app of `cluster.app.build_app`; waits until /health
 answers, prints where it serves, the model with the dtype and attention backend
 its engine resolved, where the metrics and logs are and a curl line that streams
-(cluster/console.py: also which of Ray's own lines are hidden, and why), and
+(cluster/launcher/console.py: also which of Ray's own lines are hidden, and why), and
 serves until SIGINT/SIGTERM, then shuts Serve and Ray down, in that order, and
 exits 0. A failure to start prints what went wrong and what to do, and exits 1
 (2 for flags or a config that cannot work).
@@ -14,7 +14,7 @@ exits 0. A failure to start prints what went wrong and what to do, and exits 1
 The API key comes from the env var STEPSTREAM_API_KEY (or --api-key, which the
 process list shows) and reaches the app as its SHA-256 only. Without a key the
 app serves on a loopback --host only, unless --allow-unauthenticated
-(cluster/access.py). --engine-num-gpus gives each engine replica that many GPUs
+(cluster/api/access.py). --engine-num-gpus gives each engine replica that many GPUs
 (its device is then cuda).
 
 Flags override `--config` (a Serve config YAML whose first application's `args`
@@ -35,11 +35,11 @@ import time
 import urllib.error
 import urllib.request
 
-from cluster import console, preflight, process_reaper
-from cluster.access import API_KEY_ENV, check_access, key_digest
-from cluster.console import curl_line  # noqa: F401 - tests and tools import it from here
+from cluster.launcher import console, preflight, process_reaper
+from cluster.api.access import API_KEY_ENV, check_access, key_digest
+from cluster.launcher.console import curl_line  # noqa: F401 - tests and tools import it from here
 from cluster.engine_args import add_engine_flags, engine_flag_values
-from cluster.front_door import FRONT_DOORS, front_door_env, resolve_front_door
+from cluster.launcher.front_door import FRONT_DOORS, front_door_env, resolve_front_door
 
 APP_NAME = "stepstream"
 

@@ -8,7 +8,7 @@ instead of a backlog; a waiting reader is woken once per wait, not once per put.
 
 - `DeltaCollector`: one request, one reader (an SSE writer, an `AsyncEngine`
   stream). Its `get` takes everything pending at once.
-- `cluster.outbox.StepOutbox`: every request of one ingress, one reader (the
+- `cluster.transport.outbox.StepOutbox`: every request of one ingress, one reader (the
   per-step channel), which takes all requests' deltas at once.
 
 Each request writes through its own `MailboxSink`, which drops puts after the

@@ -2,7 +2,7 @@
 
 Implemented by `deltas.collector.MailboxSink`, a request's way into a mailbox
 read on an event loop: its own (`DeltaCollector`, an asyncio consumer in the same
-process) or its ingress's (`cluster.outbox.StepOutbox`, the per-step channel);
+process) or its ingress's (`cluster.transport.outbox.StepOutbox`, the per-step channel);
 and by `replicas.offline_outputs.CollectingSink` (the offline engine). The engine's output
 thread calls `put` once per step per request; `put_error` ends a stream when the
 engine breaks.

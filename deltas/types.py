@@ -3,7 +3,7 @@
 `TokenDelta` is a msgspec `Struct` (array-like: its fields are packed by position,
 named only in this declaration) because every per-step message a replica streams
 carries one per request: it is built per token in the engine's output loop and
-encoded, without conversion, into the step message (`cluster/wire.py`). Nothing
+encoded, without conversion, into the step message (`cluster/transport/wire.py`). Nothing
 here imports torch or knows about HTTP.
 """
 from __future__ import annotations

@@ -78,7 +78,7 @@ def run_transformers(model_dir: str, batch: int, num_requests: int, input_len: i
 
 
 def core_mode(args) -> dict:
-    from replicas.presets import ensure_model_dir
+    from replicas.checkpoints.presets import ensure_model_dir
     rows = {}
     for model in args.models:
         model_dir = ensure_model_dir(model)
@@ -190,7 +190,7 @@ def chat_sessions(conversations, max_output_len: int):
 
 
 def prefix_mode(args) -> dict:
-    from replicas.presets import resolve_tokenizer_dir
+    from replicas.checkpoints.presets import resolve_tokenizer_dir
     model = args.models[0]
     configs = {name: engine_config(model, enable_prefix_caching=name == "on") for name in ("on", "off")}
     out = {"shared_prefix": {}, "chat": {}}

@@ -42,11 +42,11 @@ class _NullSink:
 # -- the ceiling ----------------------------------------------------------------
 def raw_forward(config: EngineConfig, num_seqs: int, input_len: int, output_len: int) -> dict:
     """Times the model's forward alone over the workload; see the module docstring."""
-    from replicas.block_manager import BlockManager
-    from replicas.dtype_choice import resolve_dtype
+    from replicas.kv_cache.block_manager import BlockManager
+    from replicas.checkpoints.dtype_choice import resolve_dtype
     from replicas.model_runner import ModelRunner
     from replicas.models.model_config import ModelConfig
-    from replicas.presets import ensure_model_dir
+    from replicas.checkpoints.presets import ensure_model_dir
 
     model_dir = ensure_model_dir(config.model)
     config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device, model_dir)[0])

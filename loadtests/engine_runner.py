@@ -133,8 +133,8 @@ def run_engine(config: EngineConfig, sessions: list[Session], concurrency: int |
 
 # -- the engine loop in its own process ---------------------------------------------------
 def _engine_process(requests_conn, steps_conn, config_kwargs: dict) -> None:
-    from cluster.outbox import OutboxSink, StepOutbox
-    from cluster.wire import encode_step
+    from cluster.transport.outbox import OutboxSink, StepOutbox
+    from cluster.transport.wire import encode_step
     from replicas.engine_core import EngineCore
 
     core = EngineCore(EngineConfig(**config_kwargs))
@@ -171,7 +171,7 @@ def _engine_process(requests_conn, steps_conn, config_kwargs: dict) -> None:
 def run_process_engine(config_kwargs: dict, sessions: list[Session],
                        concurrency: int | None = None) -> dict:
     """As run_engine, with the engine loop in a child process (spawned)."""
-    from cluster.wire import decode_step
+    from cluster.transport.wire import decode_step
     from deltas.collector import DeltaCollector
 
     ctx = mp.get_context("spawn")

@@ -133,7 +133,7 @@ def part_kernel_accuracy(budget_s: float) -> dict:
 def part_graph_decode(budget_s: float) -> dict:
     require_cuda()
     from replicas import Engine, EngineConfig, SamplingParams
-    from replicas.random_checkpoint import write_random_checkpoint
+    from replicas.checkpoints.random_checkpoint import write_random_checkpoint
     config = {"model_type": "llama", "vocab_size": 8192, "hidden_size": 256,
               "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
               "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from cluster.process_table import ProcessInfo, cmdline, descendants, read_process_table
+from cluster.launcher.process_table import ProcessInfo, cmdline, descendants, read_process_table
 
 ROLES = ("front door", "ingress", "engine", "ray", "client")
 

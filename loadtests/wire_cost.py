@@ -1,7 +1,7 @@
 """The per-step wire's cost: encode + decode of one step message, by format.
 
 A step message carries one `TokenDelta` per request of one ingress that made
-progress in the step (cluster/wire.py). Serve's by-value transport pickles what a
+progress in the step (cluster/transport/wire.py). Serve's by-value transport pickles what a
 channel streams (cloudpickle), so every format is timed through that pickling too:
 
 - **lists**: each delta as a positional list of plain values (fields by index),
@@ -56,7 +56,7 @@ def _formats() -> dict[str, tuple[Callable, Callable]]:
     each through the transport's pickling."""
     from ray import cloudpickle
 
-    from cluster.wire import decode_step, encode_step
+    from cluster.transport.wire import decode_step, encode_step
 
     dumps, loads = cloudpickle.dumps, pickle.loads
     return {

@@ -2,7 +2,7 @@
 (text only through `deltas/`).
 
 `from replicas import Engine, EngineConfig, SamplingParams`. Engine classes load
-lazily so that `replicas.config` and `replicas.presets` import without torch.
+lazily so that `replicas.config` and `replicas.checkpoints.presets` import without torch.
 """
 from replicas.config import EngineConfig, SamplingParams
 

@@ -22,7 +22,7 @@ from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_core import EngineCore
 from replicas.engine_stats import EngineStats
 from replicas.request import Request
-from replicas.structured_output import GrammarMatcher
+from replicas.sampling.structured_output import GrammarMatcher
 
 logger = logging.getLogger("stepstream")
 

@@ -102,7 +102,7 @@ class SamplingParams:
     # converted. Added to the logits before temperature, top-k and top-p.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # What the output must match, as {kind: value} with one of json, json_object,
-    # regex, choice, grammar (replicas/structured_output.py); the engine compiles it.
+    # regex, choice, grammar (replicas/sampling/structured_output.py); the engine compiles it.
     structured_output: dict | None = None
 
     def __post_init__(self) -> None:
@@ -208,7 +208,7 @@ STRUCTURED_OUTPUT_KEYS = tuple(_STRUCTURED_OUTPUT_KINDS)
 
 
 def check_structured_output(spec) -> None:
-    """Shape only; compiling needs the tokenizer (replicas/structured_output.py)."""
+    """Shape only; compiling needs the tokenizer (replicas/sampling/structured_output.py)."""
     if spec is None:
         return
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_OUTPUT_KEYS:
@@ -232,12 +232,12 @@ def check_structured_output(spec) -> None:
 class EngineConfig:
     model: str = "tiny"  # a preset name ("tiny", "small") or a local HF directory
     # auto: the checkpoint's dtype, as float32 on CPUs without native half-precision
-    # instructions (replicas/dtype_choice.py); resolved and logged at start-up.
+    # instructions (replicas/checkpoints/dtype_choice.py); resolved and logged at start-up.
     dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length
     block_size: int = 16
-    # KV budget (replicas/kv_budget.py): a fixed number of blocks wins. Else on CPU
+    # KV budget (replicas/kv_cache/kv_budget.py): a fixed number of blocks wins. Else on CPU
     # kv_cache_gib (None: CPU_KV_CACHE_GIB); on CUDA what gpu_memory_utilization of
     # the device's memory leaves after the weights, the peak of a profiling forward
     # and the sampler's headroom, at most kv_cache_gib when set (None: no cap).

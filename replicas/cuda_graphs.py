@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 import torch
 
 from replicas.attention.base import AttentionBackend, AttentionMetadata
-from replicas.kv_budget import blocks_per_sequence
+from replicas.kv_cache.kv_budget import blocks_per_sequence
 
 logger = logging.getLogger("stepstream")
 

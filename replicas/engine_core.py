@@ -1,8 +1,8 @@
 """The engine loop body: schedule -> run N steps -> hand each step to output
 processing. Driven by the offline `Engine` and the threaded `AsyncEngine`.
 
-Start-up facts come from elsewhere: the model from replicas/model_resolution.py,
-the block manager from replicas/kv_budget.py, request checks from
+Start-up facts come from elsewhere: the model from replicas/checkpoints/model_resolution.py,
+the block manager from replicas/kv_cache/kv_budget.py, request checks from
 replicas/request_validation.py. What other threads may read (stats, admission
 bounds) is published as one `EngineStats` snapshot (replicas/engine_stats.py).
 """
@@ -17,16 +17,16 @@ from deltas.sink import DeltaSink
 from deltas.types import FinishReason
 from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_stats import EngineStats
-from replicas.kv_budget import make_block_manager
-from replicas.model_resolution import resolve_model
+from replicas.kv_cache.kv_budget import make_block_manager
+from replicas.checkpoints.model_resolution import resolve_model
 from replicas.model_runner import ModelRunner
 from replicas.output_processor import OutputProcessor
 from replicas.request import Request, RequestStatus
 from replicas.request_validation import RequestLimits
-from replicas.structured_output import GrammarCompiler, GrammarMatcher
-from replicas.sampler import probe_rows
+from replicas.sampling.structured_output import GrammarCompiler, GrammarMatcher
+from replicas.sampling.sampler import probe_rows
 from replicas.scheduler import Scheduler, SchedulerOutput
-from replicas.sampled_step import StepOutput
+from replicas.sampling.sampled_step import StepOutput
 from replicas.step_isolation import (bisect, control_request, is_engine_fault,
                                      unfinished_seqs)
 

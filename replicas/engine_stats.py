@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from replicas.block_manager import BlockManager
+from replicas.kv_cache.block_manager import BlockManager
 from replicas.scheduler import Scheduler
 
 

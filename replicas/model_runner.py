@@ -19,17 +19,17 @@ import torch
 from replicas.attention.base import AttentionBackend, AttentionMetadata
 from replicas.config import EngineConfig
 from replicas.cuda_graphs import PendingHostCopy, build_decode_graphs, start_host_copy
-from replicas.kv_budget import GIB, num_kv_blocks
-from replicas.memory_profile import allocate_kv_caches, profile_cuda_memory
+from replicas.kv_cache.kv_budget import GIB, num_kv_blocks
+from replicas.kv_cache.memory_profile import allocate_kv_caches, profile_cuda_memory
 from replicas.models.loader import load_model
 from replicas.models.model_config import ModelConfig
 from replicas.models.packed_linear import pack_linears
 from replicas.request import Request
-from replicas.sampler import build_sampling_batch, sample_no_sync
+from replicas.sampling.sampler import build_sampling_batch, sample_no_sync
 from replicas.scheduler import SchedulerOutput
 from replicas.step_advance import advance_decode_inputs_
-from replicas.structured_output import GrammarBatch
-from replicas.sampled_step import StepOutput
+from replicas.sampling.structured_output import GrammarBatch
+from replicas.sampling.sampled_step import StepOutput
 
 logger = logging.getLogger("stepstream")
 
@@ -73,7 +73,7 @@ class ModelRunner:
         logger.info("attention backend: %s", self.backend.name)
         mc = self.model_config
         # CUDA: the KV cache gets the memory left after the weights and the largest
-        # step (replicas/kv_budget.py); CPU: kv_cache_gib.
+        # step (replicas/kv_cache/kv_budget.py); CPU: kv_cache_gib.
         device_memory = None
         if self.device.type == "cuda" and config.num_kv_blocks is None:
             device_memory = profile_cuda_memory(self.model, self.backend, config, mc, self.device,

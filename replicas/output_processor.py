@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from deltas.collector import WakeBatch
 from deltas.types import FinishReason, TokenDelta
 from replicas.request import Request
-from replicas.sampled_step import StepOutput
+from replicas.sampling.sampled_step import StepOutput
 
 logger = logging.getLogger("stepstream")
 

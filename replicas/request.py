@@ -49,7 +49,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_final_output_tokens: int | None = None
     generator: Any = None  # torch.Generator for seeded sampling, made by the sampler
-    grammar: Any = None  # GrammarMatcher of a structured output (replicas/structured_output.py)
+    grammar: Any = None  # GrammarMatcher of a structured output (replicas/sampling/structured_output.py)
     first_token_time: float | None = None
 
     @property

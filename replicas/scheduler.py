@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from replicas.block_hash import extend_block_hashes, kv_namespace, root_block_hash
-from replicas.block_manager import BlockManager
+from replicas.kv_cache.block_hash import extend_block_hashes, kv_namespace, root_block_hash
+from replicas.kv_cache.block_manager import BlockManager
 from replicas.config import EngineConfig
 from replicas.request import Request, RequestStatus
 

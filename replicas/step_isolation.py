@@ -25,7 +25,7 @@ import torch
 
 from replicas.config import SamplingParams
 from replicas.request import Request, RequestStatus
-from replicas.sampler import SamplingOutOfMemory
+from replicas.sampling.sampler import SamplingOutOfMemory
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
 
 # What a device or driver failure says; after one the device cannot be trusted.

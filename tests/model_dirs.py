@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from replicas.random_checkpoint import write_random_checkpoint
+from replicas.checkpoints.random_checkpoint import write_random_checkpoint
 
 _BASE = {
     "vocab_size": 8192, "hidden_size": 128, "intermediate_size": 256,

@@ -152,7 +152,7 @@ def greedy_texts(model: str, engine_args: dict, prompts: list[str]):
     computed once per max_tokens: the reference every served stream must equal."""
     from deltas.tokenization.tokenizer import Tokenizer
     from replicas import Engine, EngineConfig, SamplingParams
-    from replicas.presets import resolve_tokenizer_dir
+    from replicas.checkpoints.presets import resolve_tokenizer_dir
 
     tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(model))
     cache: dict[int, list[str]] = {}

@@ -33,13 +33,13 @@ CHATS = [
 
 @functools.lru_cache(maxsize=1)
 def gguf_file() -> str:
-    from replicas.presets import trained_preset_file
+    from replicas.checkpoints.presets import trained_preset_file
     return trained_preset_file(PRESET)
 
 
 @functools.lru_cache(maxsize=1)
 def model_dir() -> str:
-    from replicas.presets import ensure_model_dir
+    from replicas.checkpoints.presets import ensure_model_dir
     return ensure_model_dir(PRESET)
 
 

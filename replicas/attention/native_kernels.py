@@ -54,7 +54,7 @@ _loaded: dict[str, tuple[object | None, str | None]] = {}
 
 
 def kernel_cache_dir() -> Path:
-    from replicas.cache_dirs import default_cache_dir
+    from replicas.checkpoints.cache_dirs import default_cache_dir
     return default_cache_dir() / "kernels"
 
 

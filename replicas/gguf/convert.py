@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from replicas.cache_dirs import models_dir, write_once
+from replicas.checkpoints.cache_dirs import models_dir, write_once
 from replicas.gguf.llama_layout import check_tensors, hf_config, hf_tensors
 from replicas.gguf.reader import GgufError, read_gguf
 from replicas.gguf.tokenizer_files import write_tokenizer_files

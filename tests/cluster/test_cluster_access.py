@@ -13,8 +13,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from cluster import access
-from cluster.access import check_access, is_loopback
+from cluster.api import access
+from cluster.api.access import check_access, is_loopback
 from cluster.app import AppArgs  # NOTE: first: importing Serve sets up its loggers
 
 
@@ -135,7 +135,7 @@ class _Engine:
 
 
 def test_health_is_cached_and_shared_by_concurrent_hits():
-    from cluster.ingress import _HealthCache
+    from cluster.api.ingress import _HealthCache
 
     async def main():
         engine, cache = _Engine(), _HealthCache(ttl_s=0.3)
@@ -208,7 +208,7 @@ def test_the_key_is_resolved_where_the_app_is_built(monkeypatch):
 
 
 def test_an_ingress_never_reads_the_key_from_its_own_environment(monkeypatch):
-    from cluster import ingress
+    from cluster.api import ingress
 
     monkeypatch.setattr(ingress, "serve_http_host", lambda: "127.0.0.1")
     monkeypatch.setenv(access.API_KEY_ENV, "only-on-this-node")
@@ -218,7 +218,7 @@ def test_an_ingress_never_reads_the_key_from_its_own_environment(monkeypatch):
 def test_an_ingress_without_a_key_applies_the_no_key_rule_itself(monkeypatch):
     """`serve run cluster.app:build_app` builds before Serve runs: the ingress checks
     again, against the host the running Serve binds."""
-    from cluster import ingress
+    from cluster.api import ingress
 
     monkeypatch.setattr(ingress, "serve_http_host", lambda: "0.0.0.0")
     with pytest.raises(ValueError, match="refusing to serve on 0.0.0.0"):

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from cluster.channels import ChannelHub
+from cluster.transport.channels import ChannelHub
 from cluster.errors import ApiError, ReplicaOverloaded, ReplicaRejected
-from cluster.relay import Relay
-from cluster.wire import GREETING, EngineRequest, decode_request, encode_step
+from cluster.transport.relay import Relay
+from cluster.transport.wire import GREETING, EngineRequest, decode_request, encode_step
 from deltas.text_stream import TextStream
 from deltas.types import FinishReason, TokenDelta
 from replicas.config import SamplingParams
@@ -85,7 +85,7 @@ class RaySideError(Exception):
 @pytest.fixture(scope="module")
 def tokenizer():
     from deltas.tokenization.tokenizer import Tokenizer
-    from replicas.presets import resolve_tokenizer_dir
+    from replicas.checkpoints.presets import resolve_tokenizer_dir
 
     return Tokenizer.from_dir(resolve_tokenizer_dir("tiny"))
 
@@ -314,7 +314,7 @@ def test_a_channel_lost_before_the_first_token_is_retried_elsewhere(tokenizer):
 
 
 def test_errors_of_the_request_itself_are_not_retried_and_retries_are_bounded(tokenizer):
-    from cluster.relay import MAX_ADMISSION_ATTEMPTS
+    from cluster.transport.relay import MAX_ADMISSION_ATTEMPTS
 
     async def run():
         engine = ScriptedEngine()

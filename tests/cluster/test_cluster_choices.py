@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-import cluster.choices as choices
+import cluster.api.choices as choices
 from cluster.errors import ApiError
-from cluster.openai_events import ChatFormatter, CompletionFormatter
-from cluster.response_writer import json_body, sse_events
+from cluster.api.openai_events import ChatFormatter, CompletionFormatter
+from cluster.api.response_writer import json_body, sse_events
 from deltas.types import FinishReason, TextDelta
 from replicas.config import INT64_MAX, InvalidValue, SamplingParams
 

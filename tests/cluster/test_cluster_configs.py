@@ -131,7 +131,7 @@ def _exported(command: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", CLUSTER_CONFIGS)
 def test_cluster_configs_run_the_haproxy_front_door_on_every_node(name):
-    from cluster.front_door import HAPROXY_ENV
+    from cluster.launcher.front_door import HAPROXY_ENV
 
     exported = {}
     for command in _load(name)["initialization_commands"]:
@@ -140,7 +140,7 @@ def test_cluster_configs_run_the_haproxy_front_door_on_every_node(name):
 
 
 def test_local_config_drains_like_the_launcher():
-    from cluster.front_door import LOCAL_DRAIN_ENV
+    from cluster.launcher.front_door import LOCAL_DRAIN_ENV
 
     env = _load("serve.yaml")["applications"][0]["runtime_env"]["env_vars"]
     assert env == LOCAL_DRAIN_ENV

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import front_door as fd
+from cluster.launcher import front_door as fd
 
 
 def _machine(monkeypatch, platform="linux", bundled=True, on_path=False, override=None):

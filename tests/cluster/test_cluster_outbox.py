@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from cluster.errors import ReplicaOverloaded, ReplicaRejected
-from cluster.replica import EngineReplica
-from cluster.wire import GREETING, EngineRequest, decode_step, encode_request
+from cluster.transport.replica import EngineReplica
+from cluster.transport.wire import GREETING, EngineRequest, decode_step, encode_request
 from deltas.collector import WakeBatch
 from deltas.types import FinishReason, TokenDelta
 from replicas.config import SamplingParams

@@ -1,4 +1,4 @@
-"""The channel-owner liveness backstop (`cluster/owner_liveness.find_dead_owners`,
+"""The channel-owner liveness backstop (`cluster/transport/owner_liveness.find_dead_owners`,
 which the engine replica's sweeper uses to abort the requests of a dead ingress)
 against real Ray actors: an actor that is killed is reported dead within a bounded
 wait, and a live actor, even one too busy to answer a ping in time, never is.
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from cluster.owner_liveness import find_dead_owners
+from cluster.transport.owner_liveness import find_dead_owners
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 

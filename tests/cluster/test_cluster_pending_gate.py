@@ -9,7 +9,7 @@ import pytest
 
 from cluster.app import AppArgs
 from cluster.errors import ApiError
-from cluster.pending_gate import PendingGate
+from cluster.api.pending_gate import PendingGate
 
 
 def test_the_gate_refuses_past_its_bound_until_one_leaves():

@@ -4,7 +4,7 @@ and a pin whose replica is not running asks Serve to back off between attempts
 import asyncio
 from types import SimpleNamespace
 
-from cluster.routing import PIN_KWARG, PinnedRouter
+from cluster.transport.routing import PIN_KWARG, PinnedRouter
 
 
 def _replica(unique_id: str):
@@ -41,7 +41,7 @@ def _admission(prompt=(5, 6, 7)):
 
 
 def test_admissions_avoid_a_replica_whose_engine_died(monkeypatch):
-    from cluster import replica_avoidance, routing
+    from cluster.transport import replica_avoidance
 
     monkeypatch.setattr(replica_avoidance, "_avoided_until", {})
     a, b, c = _replica("a"), _replica("b"), _replica("c")
@@ -64,7 +64,10 @@ def test_admissions_avoid_a_replica_whose_engine_died(monkeypatch):
     def two_of(candidates):
         seen.append(candidates)
         return candidates[:2]
-    monkeypatch.setattr(routing, "two_of", two_of)
+    # NOTE: the globals the method runs with: once Serve has loaded the router in
+    # this process (another test module's app), its methods are by-value copies with
+    # globals of their own (Serve pickles the router class by value).
+    monkeypatch.setitem(PinnedRouter._two_choices.__globals__, "two_of", two_of)
     ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission()))
     assert seen == [[a, b, c]] and ranks == [[a, b]]
 

@@ -1,8 +1,8 @@
-"""Prefix-aware routing's policy (cluster/prefix_affinity.py), without Ray."""
+"""Prefix-aware routing's policy (cluster/transport/prefix_affinity.py), without Ray."""
 from __future__ import annotations
 
-from cluster.prefix_affinity import choose, preferred_replica, prefix_key
-from cluster.wire import EngineRequest, encode_request, prompt_of
+from cluster.transport.prefix_affinity import choose, preferred_replica, prefix_key
+from cluster.transport.wire import EngineRequest, encode_request, prompt_of
 from replicas.config import SamplingParams
 
 SYSTEM = list(range(100, 400))  # a 300-token shared prefix

@@ -11,9 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.errors import ApiError, ReplicaOverloaded, replica_cause, sse_error_event
-from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
-                                     validation_error_message)
-from cluster.openai_events import DONE_EVENT, ChatFormatter, CompletionFormatter, completion_logprobs
+from cluster.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                         validation_error_message)
+from cluster.api.openai_events import DONE_EVENT, ChatFormatter, CompletionFormatter, completion_logprobs
 from deltas.types import FinishReason, TokenDelta
 
 
@@ -31,7 +31,7 @@ def _error(cls, body) -> tuple[str, str | None]:
 def test_cluster_package_never_imports_torch():
     import subprocess
 
-    code = ("import sys, cluster.app, cluster.ingress, cluster.replica, cluster.serve_local;"
+    code = ("import sys, cluster.app, cluster.api.ingress, cluster.transport.replica, cluster.serve_local;"
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
@@ -164,7 +164,7 @@ def test_replica_errors_pickle_and_unwrap():
 
 def test_relay_maps_replica_errors_to_http():
     from cluster.errors import ReplicaRejected
-    from cluster.relay import replica_error
+    from cluster.transport.relay import replica_error
 
     e = replica_error(ReplicaOverloaded("queue full", 3.0))
     assert e.status == 429 and e.headers() == {"Retry-After": "3"}
@@ -178,8 +178,8 @@ def test_wire_format_round_trips_and_crosses_as_one_bytes_object():
     from ray._private.serialization import SerializationContext
     from ray._private.worker import global_worker
 
-    from cluster.wire import (EngineRequest, decode_request, decode_step, encode_request,
-                              encode_step)
+    from cluster.transport.wire import (EngineRequest, decode_request, decode_step, encode_request,
+                                        encode_step)
     from replicas.config import SamplingParams
 
     delta = TokenDelta("r", [1, 2], logprobs=[-0.1, -0.2], top_logprobs=[[(1, -0.1)], [(2, -0.2)]],
@@ -233,7 +233,7 @@ def test_build_app_returns_a_serve_application():
 
 
 def test_context_check_says_the_limits():
-    from cluster.ingress import _check_limits
+    from cluster.api.ingress import _check_limits
     from replicas.config import SamplingParams
     from replicas.request_validation import RequestLimits
 
@@ -257,9 +257,9 @@ def test_context_check_says_the_limits():
 def test_chat_length_bound_counts_every_message_before_the_template():
     from types import SimpleNamespace
 
-    from cluster.ingress import DEFAULT_MAX_BODY_BYTES, Ingress, _max_token_chars, _prompt_chars
+    from cluster.api.ingress import DEFAULT_MAX_BODY_BYTES, Ingress, _max_token_chars, _prompt_chars
     from deltas.tokenization.tokenizer import Tokenizer
-    from replicas.presets import PRESETS, resolve_tokenizer_dir
+    from replicas.checkpoints.presets import PRESETS, resolve_tokenizer_dir
 
     tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir("tiny"))
     # A bound: never more characters than the chat template makes.

@@ -9,8 +9,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
-                                     validation_error_message)
+from cluster.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                         validation_error_message)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -52,7 +52,7 @@ def test_chat_errors_name_the_field_the_client_sent(body, param, bound):
 def test_chat_range_errors_name_the_field_the_client_sent(body, param, bound):
     """The ranges are SamplingParams' (one rule each); the 400 names the chat field."""
     from cluster.errors import ApiError
-    from cluster.ingress import _sampling_params
+    from cluster.api.ingress import _sampling_params
 
     req = ChatCompletionRequest.model_validate_json(json.dumps(
         {"model": "m", "messages": MESSAGES, **body}))
@@ -75,10 +75,10 @@ def test_chat_top_logprobs_in_range_reaches_the_engine():
     ("repetition_penalty", 0, "(0, 2]"),
 ])
 def test_engine_range_errors_state_the_bound(field, value, bound):
-    """What the ingress answers (cluster.ingress._sampling_params): a 400 whose
+    """What the ingress answers (cluster.api.ingress._sampling_params): a 400 whose
     message starts with the field and states the range."""
     from cluster.errors import ApiError
-    from cluster.ingress import _sampling_params
+    from cluster.api.ingress import _sampling_params
 
     req = CompletionRequest.model_validate_json(json.dumps(
         {"model": "m", "prompt": "x", field: value}))

@@ -56,7 +56,7 @@ def offline():
 @pytest.fixture(scope="module")
 def tokenizer():
     from deltas.tokenization.tokenizer import Tokenizer
-    from replicas.presets import resolve_tokenizer_dir
+    from replicas.checkpoints.presets import resolve_tokenizer_dir
 
     return Tokenizer.from_dir(resolve_tokenizer_dir(MODEL))
 

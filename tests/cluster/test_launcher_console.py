@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from cluster import console, preflight
+from cluster.launcher import console, preflight
 from cluster_support import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,7 +115,8 @@ _STAND_INS = textwrap.dedent("""
     import json, sys
     import ray
     from ray import serve
-    from cluster import process_reaper, serve_local
+    from cluster.launcher import process_reaper
+    from cluster import serve_local
 
     seen = {}
     process_reaper.start = lambda: None

@@ -84,7 +84,7 @@ def _node_of(class_suffix: str) -> str:
 def test_without_a_key_the_ingress_refuses_a_non_loopback_host(cluster, monkeypatch):
     from ray import serve
 
-    from cluster import access
+    from cluster.api import access
     from cluster.app import AppArgs, make_app
 
     # Built before Serve runs (serve run's order): the builder cannot see the host.
@@ -153,7 +153,7 @@ def test_an_engine_replica_opens_channels_for_its_live_ingress_replicas_only(clu
     import ray
     from ray import serve
 
-    from cluster.routing import PIN_KWARG
+    from cluster.transport.routing import PIN_KWARG
 
     engine = serve.get_deployment_handle("EngineReplica", app_name="stepstream")
     stats = engine.stats.remote().result(timeout_s=60)

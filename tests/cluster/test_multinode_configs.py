@@ -125,8 +125,8 @@ def _containers(service: dict) -> list[dict]:
 
 
 def test_ray_token_and_api_key_come_from_the_secret_on_every_pod():
-    from cluster.access import API_KEY_ENV
-    from cluster.front_door import HAPROXY_ENV
+    from cluster.api.access import API_KEY_ENV
+    from cluster.launcher.front_door import HAPROXY_ENV
 
     service = _rayservice()
     auth = service["spec"]["rayClusterConfig"]["authOptions"]

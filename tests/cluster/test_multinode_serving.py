@@ -296,7 +296,7 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
     errors_s = max(ended_at[i] for i in failed) - killed_at
     # New requests go to the node left. Until Serve learns that the replica is gone,
     # an ingress replica may still pick it: the request had no token yet, so it runs
-    # on the other replica under a fresh engine request id (cluster/relay.py), and
+    # on the other replica under a fresh engine request id (cluster/transport/relay.py), and
     # no client sees the loss.
     probe_texts = reference(PROBE_TOKENS)
     for j, (sent, r, _) in enumerate(probes):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from replicas.config import InvalidValue
 
 _CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -1,4 +1,4 @@
-"""The private Ray and Serve names of cluster/ray_internals.py, pinned: each test
+"""The private Ray and Serve names of cluster/transport/ray_internals.py, pinned: each test
 fails naming the Ray version and the name when an upgrade changes it."""
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import inspect
 import pytest
 import ray
 
-from cluster import ray_internals
+from cluster.transport import ray_internals
 
 
 def _where(module: str, name: str) -> str:
     return (f"Ray {ray.__version__}: {module}.{name} changed; stepstream was built on Ray "
-            f"{ray_internals.RAY_VERSION}: update cluster/ray_internals.py for this Ray")
+            f"{ray_internals.RAY_VERSION}: update cluster/transport/ray_internals.py for this Ray")
 
 
 def _resolve(module: str, name: str):
@@ -40,7 +40,7 @@ def test_the_pinned_ray_is_the_one_installed():
 
     pins = tomllib.loads(Path(__file__).parents[2].joinpath("pyproject.toml").read_text())
     assert f"ray[serve]=={ray_internals.RAY_VERSION}" in pins["project"]["dependencies"], (
-        "pyproject.toml pins another Ray than cluster/ray_internals.py was checked on")
+        "pyproject.toml pins another Ray than cluster/transport/ray_internals.py was checked on")
     assert ray.__version__ == ray_internals.RAY_VERSION, _where("ray", "__version__")
 
 

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from cluster.wire import EngineRequest, encode_request
+from cluster.transport.wire import EngineRequest, encode_request
 from cluster_support import engine_handle, serve_app, wait_until
 from reliability_support import engine_replica_ids, stream_request
 

@@ -3,7 +3,7 @@ HAProxy to the ingress replica), on a machine slowed by a busy loop on one core:
 the streams already running keep their pace, every request let in gets its first
 token within 2 s of its admission (the ingress's `Server-Timing`) and completes,
 and the rest get 429 + Retry-After without waiting for a slot, from the ingress's
-own gate (cluster/pending_gate.py), before their body is read.
+own gate (cluster/api/pending_gate.py), before their body is read.
 
 Without the gate (`ingress_max_pending_requests: -1`) the same test fails: every
 request of the burst is parsed, tokenized and routed on the event loop that

@@ -102,7 +102,7 @@ def _replica_id() -> str:
 
 def test_fault_injection_is_off_by_default():
     from cluster.app import AppArgs
-    from cluster.faults import fault_injection_enabled
+    from cluster.transport.faults import fault_injection_enabled
 
     assert AppArgs().enable_fault_injection is False
     assert fault_injection_enabled(False) is False  # and the env var is not set here

@@ -263,13 +263,13 @@ def test_key_compared_as_sha256_digests_in_constant_time(monkeypatch):
     import hashlib
     from types import SimpleNamespace
 
-    from cluster import ingress
+    from cluster.api import ingress
 
     calls = []
     real = ingress.hmac.compare_digest
     monkeypatch.setattr(ingress.hmac, "compare_digest",
                         lambda a, b: calls.append((a, b)) or real(a, b))
-    from cluster.access import key_sha256_hex
+    from cluster.api.access import key_sha256_hex
 
     digest = bytes.fromhex(key_sha256_hex(API_KEY, None))
     assert digest == hashlib.sha256(API_KEY.encode()).digest()

@@ -1,6 +1,6 @@
 """`python -m cluster.serve_local` (what `make serve` runs) stopped with SIGTERM
 shuts Serve, then Ray, down and exits 0; killed with SIGKILL, its watchdog
-(`cluster/process_reaper.py`) ends what it started. Either way no process it
+(`cluster/launcher/process_reaper.py`) ends what it started. Either way no process it
 started stays behind: not its group, and not Ray's workers, agents or HAProxy,
 which run in sessions of their own. (Ray installs its own SIGTERM handler, which
 exits 15 without a clean shutdown; the launcher takes the signal back after
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from cluster.process_reaper import alive, descendants
+from cluster.launcher.process_reaper import alive, descendants
 from cluster_support import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -61,7 +61,7 @@ def _wait_gone(started: dict[int, int], timeout_s: float) -> dict[int, int]:
 
 def _named(pids) -> dict[int, str]:
     """pid -> command line of those still readable."""
-    from cluster.process_table import cmdline
+    from cluster.launcher.process_table import cmdline
 
     return {pid: name[:80] for pid in pids if (name := cmdline(pid))}
 

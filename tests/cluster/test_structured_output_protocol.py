@@ -7,9 +7,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from cluster.openai_protocol import (ChatCompletionRequest, CompletionRequest,
-                                     validation_error_message)
-from cluster.wire import EngineRequest, decode_request, encode_request
+from cluster.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                         validation_error_message)
+from cluster.transport.wire import EngineRequest, decode_request, encode_request
 from replicas.config import InvalidValue
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, "x", None]}}, "required": ["a"]}

@@ -151,7 +151,7 @@ def _worst_accepted_stops() -> list[str]:
     """As many stop strings as the ingress accepts, each as long as it accepts, of
     characters stored 4 bytes each, self-overlapping (each is one repeated
     character) and with no prefix in common."""
-    from cluster.openai_protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+    from cluster.api.openai_protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
     return [chr(0x1F600 + i) * MAX_STOP_STRING_CHARS for i in range(MAX_STOP_STRINGS)]
 

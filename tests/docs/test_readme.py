@@ -3,14 +3,14 @@
 Every command block of the Quickstart is run as written by tests/docs/
 test_docs_commands.py (it carries a `docs-test` tag), except the one that needs a
 checkpoint of the reader's own. The fields table names exactly the fields the
-request models accept, so a field added to or refused by `cluster/openai_protocol.py`
+request models accept, so a field added to or refused by `cluster/api/openai_protocol.py`
 shows up here as a failure until the README says so.
 """
 from __future__ import annotations
 
 import re
 
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from docs_support import REPO, read_snippets
 
 README = (REPO / "README.md").read_text()

@@ -144,8 +144,8 @@ def test_graph_replay_equals_eager_forward_through_a_window(model_dir):
 
 
 def test_the_kv_cache_is_sized_from_device_memory(model_dir):
-    from replicas.kv_budget import GIB, bytes_per_block
-    from replicas.memory_profile import profile_cuda_memory
+    from replicas.kv_cache.kv_budget import GIB, bytes_per_block
+    from replicas.kv_cache.memory_profile import profile_cuda_memory
     base = dict(model=model_dir, device="cuda", dtype="float32", attention_backend="torch",
                 max_model_len=512, max_num_seqs=16, enforce_eager=True)
     with Engine(EngineConfig(**base)) as engine:

@@ -2,9 +2,9 @@
 eviction only when plain free blocks run out, no stale hit after eviction."""
 import pytest
 
-from replicas.block_hash import (hash_block, kv_namespace, prompt_block_hashes,
-                                 root_block_hash)
-from replicas.block_manager import BlockManager
+from replicas.kv_cache.block_hash import (hash_block, kv_namespace, prompt_block_hashes,
+                                          root_block_hash)
+from replicas.kv_cache.block_manager import BlockManager
 
 BS = 4
 ROOT = root_block_hash(kv_namespace("tiny", "float32"))

@@ -16,7 +16,7 @@ from replicas.cuda_graphs import (DecodeGraphRunner, EagerStandInGraph, StaticDe
                                   graph_backend_for_bucket, start_host_copy, why_no_decode_graphs)
 from replicas.model_runner import StepInputs
 from replicas.models.loader import load_model
-from replicas.presets import ensure_model_dir
+from replicas.checkpoints.presets import ensure_model_dir
 from replicas.step_advance import advance_decode_inputs_, slots_from_block_table
 
 

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from replicas.dtype_choice import resolve_dtype
+from replicas.checkpoints.dtype_choice import resolve_dtype
 
 NO_BF16 = {"avx2", "fma"}
 NATIVE_BF16 = {"avx2", "avx512f", "avx512_bf16"}

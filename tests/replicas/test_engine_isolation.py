@@ -14,7 +14,7 @@ import pytest
 
 from deltas.types import FinishReason
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas import sampler
+from replicas.sampling import sampler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 CONFIG = dict(model="tiny", num_scheduler_steps=4, async_output=True, max_model_len=256)

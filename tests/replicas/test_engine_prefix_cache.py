@@ -9,7 +9,7 @@ import pytest
 
 from deltas.types import FinishReason
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.block_hash import prompt_block_hashes
+from replicas.kv_cache.block_hash import prompt_block_hashes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 BLOCK_SIZE = 16

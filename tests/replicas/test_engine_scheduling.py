@@ -204,7 +204,7 @@ def test_the_longest_prompt_runs_on_the_smallest_kv_budget(block_size, num_sched
     # A cache of exactly one longest sequence, whose 1% watermark (1 block) the
     # longest prompt, in one chunk, would eat into: it must still be admitted,
     # and the engine must never report work with no step to run (a busy loop).
-    from replicas.kv_budget import blocks_per_sequence
+    from replicas.kv_cache.kv_budget import blocks_per_sequence
     num_blocks = blocks_per_sequence(max_model_len, num_scheduler_steps, block_size)
     assert num_blocks == 101
     config = EngineConfig(model="tiny", block_size=block_size, num_scheduler_steps=num_scheduler_steps,

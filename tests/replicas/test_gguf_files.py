@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from cluster import preflight
+from cluster.launcher import preflight
 from deltas.tokenization import Tokenizer
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.cache_dirs import models_dir
-from replicas.checkpoint_config import ASSETS_DIR
+from replicas.checkpoints.cache_dirs import models_dir
+from replicas.checkpoints.checkpoint_config import ASSETS_DIR
 from replicas.gguf import GgufError, read_gguf
 from replicas.gguf.convert import ensure_gguf_dir
-from replicas.presets import ensure_model_dir
-from replicas.random_checkpoint import write_random_checkpoint
+from replicas.checkpoints.presets import ensure_model_dir
+from replicas.checkpoints.random_checkpoint import write_random_checkpoint
 from tests.model_dirs import FAMILIES
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,6 +1,6 @@
 """Every shipped GPU serve config fits the GPU of the instance type its cluster YAML
 runs engine replicas on: the weights, the largest step, the sampler's headroom and
-the KV budget the config implies (replicas/kv_budget.py's own rule), with memory to
+the KV budget the config implies (replicas/kv_cache/kv_budget.py's own rule), with memory to
 spare for CUDA graphs. Checkpoints are not on this machine: their config.json
 fields are below."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from replicas.kv_budget import (DTYPE_BYTES, GIB, DeviceMemory, blocks_per_sequence,
-                                bytes_per_block, gpu_kv_cache_bytes, sampler_headroom_bytes)
+from replicas.kv_cache.kv_budget import (DTYPE_BYTES, GIB, DeviceMemory, blocks_per_sequence,
+                                         bytes_per_block, gpu_kv_cache_bytes, sampler_headroom_bytes)
 from replicas.models.model_config import ModelConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

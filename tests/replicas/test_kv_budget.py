@@ -4,8 +4,8 @@ more than max_num_seqs sequences use."""
 import pytest
 
 from replicas.config import EngineConfig
-from replicas.kv_budget import (SAMPLER_BYTES_PER_LOGIT, DeviceMemory, blocks_per_sequence,
-                                make_block_manager, num_gpu_kv_blocks, num_kv_blocks)
+from replicas.kv_cache.kv_budget import (SAMPLER_BYTES_PER_LOGIT, DeviceMemory, blocks_per_sequence,
+                                         make_block_manager, num_gpu_kv_blocks, num_kv_blocks)
 from replicas.models.model_config import ModelConfig
 
 MC = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from cluster.wire import EngineRequest, decode_request, encode_request
+from cluster.transport.wire import EngineRequest, decode_request, encode_request
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.config import MAX_LOGIT_BIAS_ENTRIES, InvalidValue
 from replicas.request import Request
 from replicas.request_validation import RequestLimits
-from replicas.sampler import build_sampling_batch, sample_no_sync
+from replicas.sampling.sampler import build_sampling_batch, sample_no_sync
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The profiling step that sizes the KV cache on CUDA (replicas/memory_profile.py):
+"""The profiling step that sizes the KV cache on CUDA (replicas/kv_cache/memory_profile.py):
 its inputs are a valid step, and it runs on CPU. The measurement itself needs CUDA
 (tests/gpu/test_gpu_engine.py)."""
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from replicas.attention.torch_backend import TorchAttentionBackend
 from replicas.config import EngineConfig
-from replicas.memory_profile import profile_step_inputs, run_profile_step
-from replicas.model_resolution import resolve_model
+from replicas.kv_cache.memory_profile import profile_step_inputs, run_profile_step
+from replicas.checkpoints.model_resolution import resolve_model
 from replicas.models.loader import load_model
 
 CPU = torch.device("cpu")

@@ -33,7 +33,7 @@ def test_replica_metrics_record_the_prefix_cache_stats():
 def _replica_stats(**engine_fields):
     import dataclasses
 
-    from cluster.replica_stats import ReplicaCounts, ReplicaStats
+    from cluster.transport.replica_stats import ReplicaCounts, ReplicaStats
     from replicas.engine_stats import EngineStats
 
     fields = {f.name: 0 for f in dataclasses.fields(EngineStats)}

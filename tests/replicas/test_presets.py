@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from replicas import presets, random_checkpoint
+from replicas.checkpoints import presets, random_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL_BASE = dict(vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -63,8 +63,8 @@ def _assert_loaded_exactly(model, model_dir: str) -> None:
 
 
 def test_import_does_not_pull_torch_or_the_checkpoint_writer():
-    code = ("import replicas.presets, sys; assert 'torch' not in sys.modules, 'torch imported'; "
-            "assert 'replicas.random_checkpoint' not in sys.modules, 'writer imported'")
+    code = ("import replicas.checkpoints.presets, sys; assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert 'replicas.checkpoints.random_checkpoint' not in sys.modules, 'writer imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from replicas.config import EngineConfig, SamplingParams
-from replicas.kv_budget import blocks_per_sequence, make_block_manager
+from replicas.kv_cache.kv_budget import blocks_per_sequence, make_block_manager
 from replicas.request_validation import RequestLimits
 from tests.delta_sinks import ListSink
 

@@ -1,7 +1,7 @@
 """StepOutput: the host copy of a step's packed sample tensor, unpacked once."""
 import pytest
 
-from replicas.sampled_step import StepOutput
+from replicas.sampling.sampled_step import StepOutput
 
 
 def test_ids_alone_stay_as_they_are():

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from replicas.config import SamplingParams
-from replicas.inverse_cdf import BLOCK, inverse_cdf_draw_no_sync
+from replicas.sampling.inverse_cdf import BLOCK, inverse_cdf_draw_no_sync
 from replicas.request import Request
-from replicas.sampler import build_sampling_batch, sample_no_sync, sampling_probs
+from replicas.sampling.sampler import build_sampling_batch, sample_no_sync, sampling_probs
 
 CPU = torch.device("cpu")
 # Wilson-Hilferty: the chi-square quantile for `dof` degrees of freedom at the

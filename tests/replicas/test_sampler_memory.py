@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from replicas import sampler
+from replicas.sampling import sampler
 from replicas.config import SamplingParams
 from replicas.request import Request
 from replicas.step_isolation import is_engine_fault

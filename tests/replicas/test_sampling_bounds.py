@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from replicas.config import SamplingParams
 from replicas.request import Request
-from replicas.sampler import (adjusted_logits, build_sampling_batch, probe_rows,
-                              sample_no_sync, sampling_probs)
+from replicas.sampling.sampler import (adjusted_logits, build_sampling_batch, probe_rows,
+                                       sample_no_sync, sampling_probs)
 
 V = 512
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from replicas.block_manager import BlockManager
+from replicas.kv_cache.block_manager import BlockManager
 from replicas.config import EngineConfig, SamplingParams
 from replicas.model_runner import ModelRunner
 from replicas.request import Request, RequestStatus

@@ -150,7 +150,7 @@ def test_an_awaited_compile_leaves_the_event_loop_running(engine, monkeypatch):
     (every stream of the replica would wait), and its time limit still holds."""
     import time
 
-    from replicas.structured_output import GrammarCompiler
+    from replicas.sampling.structured_output import GrammarCompiler
 
     compile_for_real = GrammarCompiler._compile
 
@@ -187,7 +187,7 @@ def test_an_awaited_compile_leaves_the_event_loop_running(engine, monkeypatch):
 def test_a_grammar_that_fails_ends_its_request_with_an_error(monkeypatch):
     """Without its mask a row samples what its grammar rejects: the request ends
     with an error delta at that token (not a silent stop); its neighbour completes."""
-    from replicas.structured_output import GrammarBatch
+    from replicas.sampling.structured_output import GrammarBatch
 
     monkeypatch.setattr(GrammarBatch, "mask_logits_", lambda self, logits: None)
     eng = AsyncEngine(EngineConfig(model="tiny", num_scheduler_steps=4))

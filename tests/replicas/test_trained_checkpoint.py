@@ -122,7 +122,7 @@ def test_streamed_text_equals_one_shot_decode(ours, text, skip_special_tokens):
 
 
 def test_the_ingress_converts_only_the_tokenizer(tmp_path, monkeypatch):
-    from replicas import presets
+    from replicas.checkpoints import presets
 
     monkeypatch.setenv("STEPSTREAM_CACHE", str(tmp_path))
     tokenizer_dir = presets.resolve_tokenizer_dir(trained_model.PRESET)

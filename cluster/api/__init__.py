@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP surface each `Ingress` replica serves (README.md here)."""

@@ -1,0 +1,115 @@
+"""The `n` choices of one request: n engine requests, admitted together, read as one.
+
+Each choice is an engine request of its own (`<id>-<i>`, the seed + i when a seed
+is given, so seeded choices differ and each is reproducible), so the engine's
+queue bounds, routing and aborts count and treat every one. The first choice is
+admitted alone and the rest once it has its first token: its prompt's full KV
+blocks are then in the prefix cache, and the others prefill only what is past
+them (cluster/transport/prefix_affinity.py sends them to the same replica). A refusal of any
+choice is the request's answer at once and aborts the others; a client gone while
+they open aborts every one admitted.
+
+`merged_text_deltas` interleaves the choices' text deltas as they come, each with
+its index; each choice's deltas still merge in its collector while the reader is
+behind. Closing it (a client gone, an error) closes every choice's relay, so all n
+are aborted on their replicas.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable
+
+from cluster.transport.channels import ChannelHub
+from cluster.transport.relay import Relay, aclosing
+from cluster.transport.wire import EngineRequest
+from deltas.types import TextDelta
+from replicas.config import INT64_MAX, SamplingParams  # plain data: no torch
+
+
+def choice_requests(request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    owner: str, n: int) -> list[EngineRequest]:
+    if n == 1:
+        return [EngineRequest(request_id, prompt_ids, params, owner)]
+    requests = []
+    for i in range(n):
+        choice_params = params
+        if params.seed is not None:
+            choice_params = params.with_seed((params.seed + i) % (INT64_MAX + 1))
+        requests.append(EngineRequest(f"{request_id}-{i}", prompt_ids, choice_params, owner))
+    return requests
+
+
+async def open_relays(engine_stream, hub: ChannelHub, requests: list[EngineRequest],
+                      new_text_stream: Callable[[], object], timeout_s: float | None = None,
+                      queue_timeout_s: float | None = None) -> list[Relay]:
+    """One open relay per request, in order. On the first refusal (ApiError), or when
+    cancelled (the client left), the opens still waiting stop and every request
+    already admitted is aborted; then the refusal (or the cancel) is raised."""
+    async def open_one(index: int, request: EngineRequest) -> Relay:
+        if index:
+            _own_serve_request_id(index)
+        return await Relay.open(engine_stream, hub, request, new_text_stream(),
+                                timeout_s=timeout_s, queue_timeout_s=queue_timeout_s)
+
+    first = await open_one(0, requests[0])
+    if len(requests) == 1:
+        return [first]
+    # NOTE: each task runs with a copy of this context (its own internal request id)
+    rest = [asyncio.ensure_future(open_one(i, r)) for i, r in enumerate(requests) if i]
+    try:
+        await asyncio.wait(rest, return_when=asyncio.FIRST_EXCEPTION)
+        refusal = next((t.exception() for t in rest
+                        if t.done() and not t.cancelled() and t.exception()), None)
+        if refusal is None:
+            return [first] + [t.result() for t in rest]
+        raise refusal
+    except BaseException:
+        for task in rest:
+            task.cancel()  # an open cancelled midway closes its own relay
+        await asyncio.gather(*rest, return_exceptions=True)
+        first.abort()
+        for task in rest:
+            if not task.cancelled() and task.exception() is None:
+                task.result().abort()
+        raise
+
+
+def _own_serve_request_id(index: int) -> None:
+    """Give this task's handle calls an internal request id of their own.
+
+    NOTE: Serve's router tells the calls waiting to be routed apart by the request
+    context's internal id, which every choice of one HTTP request shares: two of
+    them waiting at once would share one replica's answer, and the other would
+    wait forever. Only this task's context changes; the public request id (logs)
+    stays."""
+    from cluster.transport.ray_internals import suffix_internal_request_id
+
+    suffix_internal_request_id(str(index))
+
+
+async def merged_text_deltas(relays: list[Relay]) -> AsyncIterator[tuple[int, TextDelta]]:
+    """(choice index, text delta) until every choice has its finish (the ERROR
+    finish included). Close it (`contextlib.aclosing`) when done early."""
+    if len(relays) == 1:  # NOTE: no task per delta for the common case
+        async with aclosing(relays[0].text_deltas()) as deltas:
+            async for td in deltas:
+                yield 0, td
+        return
+    streams = [relay.text_deltas() for relay in relays]
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                i = pending.pop(future)
+                td = future.result()
+                if td.finish_reason is None:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, td
+    finally:
+        for future in pending:
+            future.cancel()
+        # NOTE: a generator may be closed only once its cancelled step has ended.
+        await asyncio.gather(*pending, return_exceptions=True)
+        for s in streams:
+            await s.aclose()

@@ -1,0 +1,469 @@
+"""Ingress: the OpenAI-compatible HTTP API, a Ray Serve deployment over FastAPI.
+
+Per request: auth -> the ingress's bound on requests without a first token
+(cluster/api/pending_gate.py: 429 past it, before any other work) -> read the body
+(size-bounded) -> parse (pydantic: JSON types and the API's own fields) ->
+SamplingParams (their own rules) -> chat template ->
+tokenize (off the event loop, after a cheap length check) -> the model's limits
+(`replicas.request_validation.RequestLimits`) -> admit an `EngineRequest` on an
+EngineReplica through a Serve handle -> deltas on the per-step channel
+(cluster/transport/channels, cluster/transport/relay) -> text deltas -> SSE events or one JSON body.
+All checks happen BEFORE the replica is called; errors are OpenAI-shaped 4xx
+(cluster/errors), never a traceback.
+"""
+# NOTE: no `from __future__ import annotations` here: FastAPI must see `Request`
+# as a class, not a string, through Serve's class-based views.
+import asyncio
+import contextvars
+import hmac
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, StreamingResponse
+
+from cluster.api.access import (API_KEY_ENV, check_access, is_json_content_type, is_loopback,
+                                is_loopback_host_header, key_digest, serve_http_host)
+from cluster.errors import ApiError, bad_request
+from cluster.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                         validation_error_message)
+from cluster.transport.channels import ChannelHub
+from cluster.api.choices import choice_requests, open_relays
+from cluster.errors import replica_error
+from cluster.api.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter
+from cluster.api.pending_gate import PendingGate
+from cluster.api.response_writer import json_body, sse_events
+from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
+from replicas.request_validation import RequestLimits
+from deltas.text_stream import TextStream
+
+logger = logging.getLogger("ray.serve")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+app = FastAPI(title="stepstream", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = (exc.errors() or [{}])[0]
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return bad_request(f"Invalid request: {first.get('msg', 'invalid value')}", param).response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    state = request.app.state
+    # NOTE: deny by default: with an API key set, unknown routes answer 401, not 404.
+    if getattr(state, "api_key_digest", None) and not _is_authorized(request):
+        return _unauthorized().response()
+    message = exc.detail if isinstance(exc.detail, str) else "Request failed"
+    if exc.status_code == 404:
+        message = f"Not found: {request.method} {request.url.path}"
+    return ApiError(exc.status_code, message).response()
+
+
+@app.exception_handler(Exception)
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error in %s %s", request.method, request.url.path)
+    return ApiError(500, "Internal server error", code="internal_error").response()
+
+
+def _unauthorized() -> ApiError:
+    return ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key")
+
+
+def _access_mode(api_key_sha256: str | None, allow_unauthenticated: bool,
+                 num_tries: int = 3) -> tuple[bytes | None, bool]:
+    """(the expected key digest, whether only loopback Host headers may be served).
+
+    NOTE: the digest comes from where the app was built (cluster/api/access.py), never
+    from this replica's environment. Without one, the no-key rule is checked here
+    against the host the running Serve binds: raises ValueError (the replica does
+    not start) on a non-loopback host, or when that host cannot be learned, unless
+    allow_unauthenticated."""
+    if api_key_sha256:
+        return bytes.fromhex(api_key_sha256), False
+    host = None
+    for _ in range(num_tries):
+        host = serve_http_host()
+        if host is not None:
+            break
+    if host is None and not allow_unauthenticated:
+        raise ValueError("refusing to serve without an API key: the HTTP host Serve binds "
+                         "could not be learned from its controller, so it may not be "
+                         f"loopback; set {API_KEY_ENV} (or api_key / api_key_sha256), or "
+                         "allow_unauthenticated: true")
+    warning = check_access(host, has_key=False, allow_unauthenticated=allow_unauthenticated)
+    logger.warning(warning or "No API key")
+    return None, host is not None and is_loopback(host)
+
+
+def _forbidden_host(request: Request) -> ApiError | None:
+    """No-key loopback mode: a request for a name other than loopback's is a web
+    page's (DNS rebinding), never a local client's."""
+    if not getattr(request.app.state, "loopback_hosts_only", False):
+        return None
+    if is_loopback_host_header(request.headers.get("host")):
+        return None
+    return ApiError(403, "Host not allowed: without an API key this server answers "
+                    "requests for localhost / 127.0.0.1 / [::1] only", code="host_not_allowed")
+
+
+def _unsupported_media_type(request: Request) -> ApiError | None:
+    if is_json_content_type(request.headers.get("content-type")):
+        return None
+    return ApiError(415, "Unsupported media type: send the body as "
+                    "'Content-Type: application/json'", code="unsupported_media_type")
+
+
+def _is_authorized(request: Request) -> bool:
+    expected = getattr(request.app.state, "api_key_digest", None)
+    if not expected:
+        return True
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # Digests of equal length compared in constant time: neither the key nor its
+    # length leaks through timing.
+    return hmac.compare_digest(key_digest(token.strip()), expected)
+
+
+async def _await(response) -> object:
+    return await response
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is larger than {limit} bytes",
+                    code="request_too_large")
+
+
+def _parse(model_cls, body: bytes):
+    if not body:
+        raise bad_request("The request body is empty; send a JSON object")
+    try:
+        return model_cls.model_validate_json(body)
+    except ValidationError as e:
+        message, param = validation_error_message(e)
+        raise bad_request(message, param) from None
+
+
+def _bad_value(error: InvalidValue) -> ApiError:
+    message = str(error)
+    if error.code is None and error.param:
+        message = f"Invalid value for '{error.param}': {message}"
+    return bad_request(message, error.param, error.code)
+
+
+def _sampling_params(req) -> SamplingParams:
+    """The request's SamplingParams; a 400 naming the field the client sent."""
+    try:
+        return req.sampling_params()
+    except InvalidValue as e:
+        raise _bad_value(e) from None
+
+
+def _check_limits(limits: RequestLimits, prompt_ids: list[int], params: SamplingParams) -> int:
+    """The most output tokens the request may make; a 400 naming the field if the
+    model cannot run it (prompt ids, stop ids, prompt + max_tokens past the context)."""
+    try:
+        return limits.check(prompt_ids, params, must_fit=True)
+    except InvalidValue as e:
+        raise _bad_value(e) from None
+
+
+def _prompt_chars(req, chat: bool) -> int:
+    """Characters the prompt holds at least (0 for token ids): a bound on its tokens.
+    A chat prompt counts each message's role, content and template framing, so
+    that many empty messages count too."""
+    if chat:
+        # NOTE: the fewest characters a chat template adds around a message besides
+        # its role (ChatML adds 24, Llama 3 about 45, Mistral's [INST] 15 a turn).
+        min_framing_chars = 2
+        return sum(len(m.role) + len(m.text()) + min_framing_chars for m in req.messages)
+    return len(req.prompt) if isinstance(req.prompt, str) else 0
+
+
+def _max_token_chars(tokenizer) -> int | None:
+    """The most characters one token can stand for (None: unknown)."""
+    table = tokenizer.byte_table
+    if table is None:
+        return None
+    return max(1, max(len(b) for b in table.piece_bytes))
+
+
+def _ingress_identity() -> tuple[str, object]:
+    """A channel owner id unique to this ingress replica's life, and its actor handle
+    (the engine replicas ping it to notice that it died)."""
+    import ray
+
+    try:
+        replica_id = serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        replica_id = "local"
+    try:
+        handle = ray.get_runtime_context().current_actor
+    except Exception:  # not inside an actor (tests)
+        handle = None
+    # NOTE: the suffix is this ingress's channel capability: 122 random bits, never logged.
+    return f"{replica_id}-{uuid.uuid4().hex}", handle
+
+
+def _server_timing(first_token_s: float) -> str:
+    """The `Server-Timing` header of an answer: from the moment this ingress let the
+    request in (cluster/api/pending_gate.py) to its first token, in ms. What a client
+    measures on top of it is the network, the front door and its own queue."""
+    return f"ttft;dur={first_token_s * 1000:.1f}"
+
+
+HEALTH_CACHE_TTL_S = 1.0
+
+
+class _HealthCache:
+    """The engine's health as /health reports it. /health is open without a key, so
+    however often it is hit, the engine is asked at most once per `ttl_s`, by one
+    check that every hit meanwhile shares."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._checked_at = float("-inf")
+        self._error: str | None = None  # None: healthy
+        self._check_task: asyncio.Task | None = None
+
+    async def error(self, engine) -> str | None:
+        if time.monotonic() - self._checked_at < self._ttl_s:
+            return self._error
+        if self._check_task is None or self._check_task.done():
+            # NOTE: a fresh context: a task started inside a request's context is
+            # cancelled with that request (a client hanging up), and would then fail
+            # every later hit.
+            self._check_task = asyncio.get_running_loop().create_task(
+                self._check(engine), context=contextvars.Context())
+        # NOTE: shielded: a client hanging up must not cancel the check others wait on.
+        await asyncio.shield(self._check_task)
+        return self._error
+
+    async def _check(self, engine) -> None:
+        try:
+            await asyncio.wait_for(_await(engine.health.remote()), timeout=10.0)
+            error = None
+        except Exception as e:
+            logger.warning("health check failed: %r", e)
+            error = type(e).__name__
+        self._error, self._checked_at, self._check_task = error, time.monotonic(), None
+
+
+# NOTE: the class comes last: serve.ingress copies the route methods with a snapshot
+# of the module globals taken here, so every helper they use must be defined above.
+# NOTE: deployment options only in `AppArgs.ingress_options` (cluster/app.py), which sets them.
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, engine, served_model_name: str, model: str,
+                 api_key_sha256: str | None = None, allow_unauthenticated: bool = False,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 request_timeout_s: float | None = None,
+                 queue_timeout_s: float | None = None,
+                 max_pending_requests: int | None = None) -> None:
+        from deltas.tokenization.tokenizer import Tokenizer
+        from replicas.checkpoints.presets import resolve_tokenizer_dir
+
+        self._engine = engine
+        # NOTE: by value (gRPC), not through the object store: per-request and
+        # per-step messages are small, and the store's round trip costs more.
+        self._engine_stream = engine.options(stream=True, _by_reference=False)
+        owner, owner_handle = _ingress_identity()
+        # NOTE: channels get a handle of their own, so a router of their own: a
+        # channel call never waits in the queue of a burst of admission calls (which
+        # wait, in turn, for the channel to take their deltas).
+        channel_handle = serve.get_deployment_handle(
+            engine.deployment_name, app_name=engine.app_name).options(
+            stream=True, _by_reference=False)
+        self._channels = ChannelHub(channel_handle, owner, owner_handle)
+        self._served_model_name = served_model_name
+        self._model = model
+        self._tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(model))
+        self._max_token_chars = _max_token_chars(self._tokenizer)
+        self._max_body_bytes = max_body_bytes
+        self._request_timeout_s = request_timeout_s
+        self._queue_timeout_s = queue_timeout_s
+        self._pending = PendingGate(max_pending_requests)
+        self._model_info: dict | None = None
+        self._limits: RequestLimits | None = None  # from the engine's model_info
+        self._created = int(time.time())
+        app.state.api_key_digest, app.state.loopback_hosts_only = _access_mode(
+            api_key_sha256, allow_unauthenticated)
+        self._metrics = None
+        try:
+            from cluster.metrics import IngressMetrics
+            self._metrics = IngressMetrics(served_model_name)
+        except Exception:
+            logger.warning("ingress metrics disabled", exc_info=True)
+
+    # ---- routes -----------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        cache = getattr(self, "_health_cache", None)
+        if cache is None:  # made on first use: one per ingress replica
+            cache = self._health_cache = _HealthCache(HEALTH_CACHE_TTL_S)
+        error = await cache.error(self._engine)
+        if error is not None:
+            return ApiError(503, f"engine unhealthy: {error}",
+                            code="engine_unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        card = {"id": self._served_model_name, "object": "model", "created": self._created,
+                "owned_by": "stepstream", "root": self._model}
+        if self._model_info is not None:
+            card["max_model_len"] = self._model_info["max_model_len"]
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._handle(request, chat=True)
+
+    # ---- request path -----------------------------------------------------------
+
+    async def _handle(self, request: Request, chat: bool):
+        route = "chat" if chat else "completions"
+        try:
+            response = await self._generate(request, chat)
+        except ApiError as e:
+            self._count(route, e.status)
+            raise
+        self._count(route, response.status_code)
+        return response
+
+    async def _generate(self, request: Request, chat: bool):
+        self._authorize(request)
+        unsupported = _unsupported_media_type(request)
+        if unsupported is not None:
+            raise unsupported
+        # NOTE: before the body is read: past the bound a request costs a counter check.
+        self._pending.enter()
+        admitted_at = time.monotonic()
+        try:
+            body = await self._read_body(request)
+            req = _parse(ChatCompletionRequest if chat else CompletionRequest, body)
+            if req.model != self._served_model_name:
+                raise ApiError(404, f"The model '{req.model}' does not exist; this server "
+                               f"serves '{self._served_model_name}'", param="model",
+                               code="model_not_found")
+            params = _sampling_params(req)
+            info = await self._info()
+            self._check_prompt_chars(req, chat, info["max_model_len"])
+            # NOTE: off the event loop: a long prompt or chat template must not stall
+            # every other stream of this ingress.
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, req, chat)
+            _check_limits(self._limits, prompt_ids, params)
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            started_at = time.monotonic()
+            # NOTE: n choices are n engine requests, bounded and aborted as n
+            # (cluster/api/choices.py)
+            engine_requests = choice_requests(request_id, prompt_ids, params,
+                                              self._channels.owner, req.n)
+            relays = await open_relays(
+                self._engine_stream, self._channels, engine_requests,
+                lambda: TextStream(self._tokenizer, stop=req.stop_strings,
+                                   include_stop_str_in_output=req.include_stop_str_in_output,
+                                   skip_special_tokens=req.skip_special_tokens),
+                timeout_s=self._request_timeout_s, queue_timeout_s=self._queue_timeout_s)
+        finally:
+            self._pending.leave()  # its first token is in, or it was refused
+        timing = {"Server-Timing": _server_timing(time.monotonic() - admitted_at)}
+        formatter_cls = ChatFormatter if chat else CompletionFormatter
+        formatter = formatter_cls(request_id, self._served_model_name, int(time.time()),
+                                  include_usage=req.include_usage)
+        token_text = self._token_text if params.logprobs is not None else None
+        if req.stream:
+            events = sse_events(relays, formatter, chat, token_text, self._metrics, started_at,
+                                len(prompt_ids))
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={**SSE_HEADERS, **timing})
+        return JSONResponse(await json_body(relays, formatter, chat, token_text,
+                                            len(prompt_ids), metrics=self._metrics),
+                            headers=timing)
+
+    def _check_prompt_chars(self, req, chat: bool, max_model_len: int) -> None:
+        """400 before tokenizing a prompt too long for the context whatever it holds."""
+        if self._max_token_chars is None:
+            return
+        # NOTE: x4 headroom for normalizers that drop characters.
+        max_chars = max_model_len * self._max_token_chars * 4
+        num_chars = _prompt_chars(req, chat)
+        if num_chars > max_chars:
+            what = (f"The {len(req.messages)} messages make at least {num_chars} characters "
+                    "with the chat template" if chat else f"The prompt has {num_chars} characters")
+            raise bad_request(
+                f"{what}, more than this model's maximum context length of {max_model_len} "
+                f"tokens can hold (at most {max_chars} characters). Please shorten the prompt.",
+                "messages" if chat else "prompt", "context_length_exceeded")
+
+    def _prompt_ids(self, req, chat: bool) -> list[int]:
+        if chat:
+            try:
+                text = self._tokenizer.apply_chat_template(req.template_messages(),
+                                                           add_generation_prompt=req.add_generation_prompt)
+            except Exception as e:
+                raise bad_request(f"Could not apply the chat template: {e}", "messages") from None
+            return self._tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(req.prompt, str):
+            return self._tokenizer.encode(req.prompt, add_special_tokens=True)
+        return list(req.prompt)
+
+    async def _info(self) -> dict:
+        if self._model_info is None:
+            try:
+                info = await self._engine.model_info.remote()
+            except Exception as e:
+                raise replica_error(e) from None
+            self._limits = RequestLimits(info["vocab_size"], info["max_model_len"],
+                                         tuple(info["eos_token_ids"]))
+            self._model_info = info
+        return self._model_info
+
+    def _token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
+            raise _too_large(self._max_body_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self._max_body_bytes:
+                raise _too_large(self._max_body_bytes)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _authorize(self, request: Request) -> None:
+        if not _is_authorized(request):
+            raise _unauthorized()
+        forbidden = _forbidden_host(request)
+        if forbidden is not None:
+            raise forbidden
+
+    def _count(self, route: str, status: int) -> None:
+        if self._metrics is not None:
+            self._metrics.count_request(route, status)

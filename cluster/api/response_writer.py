@@ -1,0 +1,179 @@
+"""Text deltas of one request's choices -> SSE events, or one JSON body.
+
+Every stream ends honestly: `[DONE]` after a complete answer, or an error event
+in the OpenAI shape (and no `[DONE]`) when anything fails after the headers went
+out. A client disconnect cancels the generator; `Relay` then stops the replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from cluster.errors import ApiError, sse_error_event
+from cluster.api.choices import merged_text_deltas
+from cluster.transport.relay import Relay, aclosing, is_error
+from cluster.api.openai_events import DONE_EVENT, TokenText, chat_logprobs, completion_logprobs
+from deltas.types import TextDelta
+
+logger = logging.getLogger("ray.serve")
+
+
+
+def _engine_failure(text_delta: TextDelta, relay: Relay) -> ApiError:
+    if relay.timed_out:
+        return ApiError(504, f"The request timed out: {text_delta.error}", code="timeout")
+    return ApiError(500, f"The request failed while generating: {text_delta.error}",
+                    code="engine_error")
+
+
+def _finish_reason(text_delta: TextDelta) -> str | None:
+    reason = text_delta.finish_reason
+    return None if reason is None else str(reason)
+
+
+def _logprobs(token_ids, logprobs, top_logprobs, chat: bool, token_text: TokenText,
+              text_offset: int) -> dict | None:
+    if logprobs is None:
+        return None
+    if chat:
+        return chat_logprobs(token_ids, logprobs, top_logprobs, token_text)
+    return completion_logprobs(token_ids, logprobs, top_logprobs, token_text, text_offset)
+
+
+def count_tokens(metrics, num_prompt_tokens: int, num_output_tokens: int) -> None:
+    if metrics is not None:
+        metrics.count_tokens(num_prompt_tokens, num_output_tokens)
+
+
+class _Timing:
+    """TTFT, ITL and TPOT of one choice's stream, into the ingress metrics.
+
+    NOTE: one Ray metric record per event (the ITL) and a few per stream: a
+    record costs more than formatting the event itself."""
+
+    __slots__ = ("metrics", "started_at", "first_at", "last_at", "num_events")
+
+    def __init__(self, metrics, started_at: float | None) -> None:
+        """`started_at` None: no TTFT (not the request's first choice)."""
+        self.metrics = metrics
+        self.started_at = started_at
+        self.first_at = 0.0
+        self.last_at = 0.0
+        self.num_events = 0
+
+    def event(self) -> None:
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        if self.num_events == 0:
+            self.first_at = now
+            if self.started_at is not None:
+                self.metrics.ttft_s.observe(now - self.started_at)
+        else:
+            self.metrics.itl_s.observe(now - self.last_at)
+        self.last_at = now
+        self.num_events += 1
+
+    def finish(self, num_output_tokens: int) -> None:
+        """TPOT and tokens per event of a complete stream (tokens: `count_tokens`)."""
+        if self.metrics is None:
+            return
+        if self.num_events:
+            self.metrics.tokens_per_event.observe(num_output_tokens / self.num_events)
+        if num_output_tokens > 1 and self.num_events:
+            self.metrics.tpot_s.observe((self.last_at - self.first_at) / (num_output_tokens - 1))
+
+
+async def sse_events(relays: list[Relay], formatter, chat: bool, token_text: TokenText | None,
+                     metrics, started_at: float, num_prompt_tokens: int) -> AsyncIterator[bytes]:
+    """The events of the request whose choices `relays` read (one per choice);
+    usage counts the prompt once and every choice's output tokens.
+
+    NOTE: each choice has its own ITL and TPOT; the first choice's first token is
+    the request's (the others are admitted once it came: cluster/api/choices.py)."""
+    timings = [_Timing(metrics, started_at if i == 0 else None) for i in range(len(relays))]
+    text_offsets = [0] * len(relays)
+    num_output_tokens = [0] * len(relays)
+    try:
+        async with aclosing(merged_text_deltas(relays)) as text_deltas:
+            async for i, td in text_deltas:
+                if is_error(td):
+                    yield sse_error_event(_engine_failure(td, relays[i]))
+                    return
+                logprobs = None
+                if token_text is not None and td.token_ids:
+                    logprobs = _logprobs(td.token_ids, td.logprobs, td.top_logprobs, chat,
+                                         token_text, text_offsets[i])
+                text_offsets[i] += len(td.text)
+                num_output_tokens[i] = td.num_output_tokens
+                if td.text or td.finish_reason is not None or logprobs is not None:
+                    yield formatter.chunk_event(td.text, _finish_reason(td), logprobs,
+                                                td.stop_reason, i)
+                    timings[i].event()
+        if formatter.include_usage:
+            yield formatter.usage_event(num_prompt_tokens, sum(num_output_tokens))
+        yield DONE_EVENT
+        for timing, n in zip(timings, num_output_tokens):
+            timing.finish(n)
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except Exception:
+        logger.exception("stream %s failed", relays[0].request_id)
+        yield sse_error_event(ApiError(500, "Internal server error", code="internal_error"))
+    finally:
+        # NOTE: every ending counts: a stream cut short sent its tokens too.
+        count_tokens(metrics, num_prompt_tokens, sum(num_output_tokens))
+
+
+class _ChoiceText:
+    """One choice's text, and its logprobs when asked, gathered for a JSON body."""
+
+    __slots__ = ("texts", "token_ids", "logprobs", "top_logprobs", "last")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list = []
+        self.last: TextDelta | None = None
+
+    def add(self, td: TextDelta, with_logprobs: bool) -> None:
+        self.texts.append(td.text)
+        if with_logprobs and td.logprobs is not None:
+            self.token_ids.extend(td.token_ids)
+            self.logprobs.extend(td.logprobs)
+            self.top_logprobs.extend(td.top_logprobs or [])
+        self.last = td
+
+    def choice(self, index: int, formatter, chat: bool, token_text: TokenText | None) -> dict:
+        last = self.last
+        lp = None
+        if token_text is not None:
+            lp = _logprobs(self.token_ids, self.logprobs, self.top_logprobs or None, chat,
+                           token_text, 0)
+        return formatter.choice(index, "".join(self.texts), _finish_reason(last),
+                                last.stop_reason, lp)
+
+
+async def json_body(relays: list[Relay], formatter, chat: bool, token_text: TokenText | None,
+                    num_prompt_tokens: int, metrics=None) -> dict:
+    """The body of the request whose choices `relays` read (one per choice)."""
+    choices = [_ChoiceText() for _ in relays]
+    answered = False
+    try:
+        async with aclosing(merged_text_deltas(relays)) as text_deltas:
+            async for i, td in text_deltas:
+                if is_error(td):
+                    raise _engine_failure(td, relays[i])
+                choices[i].add(td, token_text is not None)
+        # NOTE: merged_text_deltas ends once every choice has its finish
+        answered = True
+    finally:
+        # NOTE: output tokens only with an answer: a failed one sends none.
+        num_output_tokens = sum(c.last.num_output_tokens for c in choices) if answered else 0
+        count_tokens(metrics, num_prompt_tokens, num_output_tokens)
+    return formatter.response_of([c.choice(i, formatter, chat, token_text)
+                                  for i, c in enumerate(choices)],
+                                 num_prompt_tokens, num_output_tokens)

@@ -1,0 +1,208 @@
+"""The way back of one request: admission call + channel deltas -> text deltas.
+
+`Relay.open` registers the request's collector with the ingress's `ChannelHub`,
+admits the request through a Serve handle call (refusals become HTTP errors),
+attaches it to the channel of the replica that admitted it, and waits for the
+first delta, so a request that fails before its first token still gets a real
+HTTP status. `text_deltas` then drains the collector (everything pending at once,
+so a consumer that falls behind gets one merged delta) through `TextStream`
+(incremental detokenizing, stop strings with hold-back).
+
+A request whose replica is lost before its first token (the admission call fails
+because the actor died or cannot be reached, or its engine died; its channel fails
+before the first delta) is tried again on another replica, before any header went
+out, under a fresh engine request id (`<id>~<attempt>`): whatever the lost replica
+still sends for the old id is dropped, so a stream never mixes two replicas'
+deltas. A replica whose engine died is avoided for a while
+(cluster/transport/replica_avoidance.py); Serve's router drops a dead actor by itself.
+Waiting for the first token (Serve's queue, the engine's queue, the prefill) is
+bounded by `queue_timeout_s`: past it, 503 + Retry-After.
+
+The admission call stays open until the request ends; a watcher turns its
+failure (the replica died) into an error delta. Whenever the consumer is done
+before the engine (stop string, client gone, timeout, failure), the admission
+call is cancelled: Serve cancels the replica's `generate`, whose `finally`
+aborts the request on exactly the replica that runs it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator
+
+import msgspec
+
+from cluster.transport.channels import ChannelHub
+from cluster.errors import ApiError, is_replica_lost, replica_cause, replica_error
+from cluster.transport.replica_avoidance import avoid_replica
+from cluster.transport.wire import EngineRequest, encode_request
+from deltas.collector import DeltaCollector
+from deltas.types import FinishReason, TextDelta, TokenDelta
+
+logger = logging.getLogger("ray.serve")
+
+# How long a request may wait for its finished delta after its admission call
+# ended cleanly (the two travel on different streams) before it is failed.
+_FINISH_GRACE_S = 10.0
+# Admissions of one request: the first, and retries on other replicas when an
+# engine turned out dead.
+MAX_ADMISSION_ATTEMPTS = 3
+# Between a request's id and its attempt number in a retry's engine request id.
+RETRY_ID_SEP = "~"
+QUEUE_TIMEOUT_RETRY_AFTER_S = 5.0
+
+
+class Relay:
+    def __init__(self, request_id: str, hub: ChannelHub, call, collector: DeltaCollector,
+                 text_stream, timeout_s: float | None = None) -> None:
+        self.request_id = request_id
+        self._hub = hub
+        self._call = call
+        self._collector = collector
+        self._text_stream = text_stream
+        self._timeout_s = timeout_s
+        self._first: TokenDelta | None = None
+        self._watcher: asyncio.Task | None = None
+        self._base_id = request_id
+        self._failure: ApiError | None = None  # why the admission call failed
+        self._failure_cause: BaseException | None = None
+        self.timed_out = False  # the request ran past `timeout_s` and was stopped
+
+    @classmethod
+    async def open(cls, engine_stream, hub: ChannelHub, request: EngineRequest, text_stream,
+                   timeout_s: float | None = None,
+                   queue_timeout_s: float | None = None) -> "Relay":
+        """Admit `request` and wait for its first delta. Raises ApiError (400, 429,
+        503, 500) when it is refused or fails before its first token, and 503 when
+        that takes longer than `queue_timeout_s`."""
+        collector = hub.register(request.request_id)
+        relay = cls(request.request_id, hub, None, collector, text_stream, timeout_s)
+        try:
+            try:
+                await asyncio.wait_for(relay._admit(engine_stream, request), queue_timeout_s)
+            except asyncio.TimeoutError:
+                raise ApiError(503, f"The request got no first token within "
+                               f"{queue_timeout_s:g} s (queue_timeout_s): the server is busy; "
+                               "retry later", code="queue_timeout",
+                               retry_after_s=QUEUE_TIMEOUT_RETRY_AFTER_S) from None
+        except BaseException:
+            relay._close(engine_done=False)
+            raise
+        return relay
+
+    async def _admit(self, engine_stream, request: EngineRequest) -> None:
+        for attempt in range(MAX_ADMISSION_ATTEMPTS):
+            if attempt:
+                # NOTE: a fresh engine request id per attempt: deltas the lost
+                # replica still sends for the old id meet no collector, so a stream
+                # never mixes two replicas' deltas.
+                request = msgspec.structs.replace(
+                    request, request_id=f"{self._base_id}{RETRY_ID_SEP}{attempt}")
+                self.request_id = request.request_id
+                self._collector = self._hub.register(request.request_id)
+            last = attempt + 1 == MAX_ADMISSION_ATTEMPTS
+            self._call = engine_stream.generate.remote(encode_request(request))
+            try:
+                replica_id = await self._call.__anext__()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                if last or not is_replica_lost(e):
+                    raise replica_error(e) from None
+                cause = replica_cause(e)
+                dead_engine = getattr(cause, "replica_id", None)
+                logger.warning("engine replica %s lost %s before admitting it (%s): trying "
+                               "another", dead_engine or "(unknown)", request.request_id,
+                               type(cause).__name__)
+                if dead_engine:
+                    avoid_replica(dead_engine)  # its engine died; the actor still answers
+                self._forget_attempt()
+                continue
+            self._hub.attach(request.request_id, replica_id)
+            self._watcher = asyncio.create_task(self._watch())
+            first = await self._collector.get()
+            if first.finish_reason != FinishReason.ERROR:
+                self._first = first
+                return
+            # no header went out yet: a replica lost now is retried elsewhere
+            lost = self._hub.lost_its_channel(request.request_id) or (
+                self._failure_cause is not None and is_replica_lost(self._failure_cause))
+            if last or not lost:
+                raise self._failure or ApiError(500, f"The request failed: {first.error}",
+                                                code="engine_error")
+            logger.warning("engine replica %s was lost before %s's first token: trying "
+                           "another", replica_id, request.request_id)
+            avoid_replica(replica_id)
+            self._forget_attempt()
+
+    def _forget_attempt(self) -> None:
+        """Drop an attempt that failed before its first token, so the next starts
+        clean (its own collector, call and watcher)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self._call is not None:
+            self._call.cancel()
+        self._failure = self._failure_cause = None
+        self._hub.forget(self.request_id)
+
+    async def text_deltas(self) -> AsyncIterator[TextDelta]:
+        """Text deltas until one carries a finish reason (STOP, LENGTH, ABORT or
+        ERROR with `.error`). Close it (`contextlib.aclosing`) when done early."""
+        delta = self._first
+        assert delta is not None, "Relay.open first"
+        timer = None
+        if delta.finish_reason is None and self._timeout_s is not None:
+            # NOTE: one timer per request, nothing per delta.
+            timer = asyncio.get_running_loop().call_later(self._timeout_s, self._time_out)
+        engine_done = False
+        try:
+            while True:
+                engine_done = delta.finish_reason is not None
+                text_delta = self._text_stream.push(delta)
+                yield text_delta
+                if text_delta.finish_reason is not None:
+                    return
+                delta = await self._collector.get()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._close(engine_done and not self.timed_out)
+
+    def abort(self) -> None:
+        """Stop an open request whose deltas will not be read (another choice of
+        its request was refused)."""
+        self._close(engine_done=False)
+
+    def _close(self, engine_done: bool) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if not engine_done and self._call is not None:  # stop string, disconnect, timeout
+            self._call.cancel()
+        self._hub.forget(self.request_id)
+
+    def _time_out(self) -> None:
+        self.timed_out = True
+        self._collector.put_error(f"the request timed out after {self._timeout_s:g} s")
+
+    async def _watch(self) -> None:
+        """Wait for the admission call to end; fail the request if it failed."""
+        try:
+            async for _ in self._call:
+                pass
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the replica died, or the call was refused late
+            self._failure, self._failure_cause = replica_error(e), e
+            self._collector.put_error(self._failure.message)
+            return
+        await asyncio.sleep(_FINISH_GRACE_S)
+        self._collector.put_error("the engine ended the request without a finish")
+
+
+def is_error(text_delta: TextDelta) -> bool:
+    return text_delta.finish_reason == FinishReason.ERROR
+
+
+aclosing = contextlib.aclosing

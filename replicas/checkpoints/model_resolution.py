@@ -1,0 +1,43 @@
+"""Which model an EngineConfig names, resolved once at start-up.
+
+A preset name becomes its generated directory (replicas/checkpoints/presets.py), `dtype: auto`
+becomes what this device runs natively (replicas/checkpoints/dtype_choice.py), and an unset
+`max_model_len` becomes the checkpoint's own context length. Everything after
+start-up reads the resolved values, so no other code repeats these rules.
+
+NOTE: imports no torch; the checkpoint's config.json is all it reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from replicas.config import EngineConfig
+from replicas.checkpoints.dtype_choice import resolve_dtype
+from replicas.models.model_config import ModelConfig
+from replicas.checkpoints.presets import ensure_model_dir
+
+
+@dataclass(slots=True, frozen=True)
+class ResolvedModel:
+    config: EngineConfig  # as given, with its dtype resolved
+    model_dir: str
+    model_config: ModelConfig
+    max_model_len: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.model_config.eos_token_ids)
+
+
+def resolve_model(config: EngineConfig) -> ResolvedModel:
+    model_dir = ensure_model_dir(config.model)
+    dtype, _ = resolve_dtype(config.dtype, config.device, model_dir)
+    config = dataclasses.replace(config, dtype=dtype)
+    model_config = ModelConfig.from_dir(model_dir)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    return ResolvedModel(config, model_dir, model_config, max_model_len)

@@ -1,0 +1,1 @@
+"""From a step's logits to its tokens: sampling and its constraints (README.md here)."""
