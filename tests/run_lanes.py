@@ -1,19 +1,24 @@
-"""`make test-lanes`: the whole suite as two pytest processes at once, one lane with every
-test that starts Ray (`-m ray`) and one with every other test.
+"""`make test`: the whole suite as three pytest processes at once:
 
-Why: the Ray tests spend most of their time waiting (Serve's drains, delays and
-health checks) on one core, while the other tests keep a core busy with torch; side
-by side on two cores the suite takes about as long as the Ray lane alone. Ray tests
-still run one after another, as they must (one local Ray, the shared ports).
+- "no Ray": every test that starts no Ray (torch work mostly), at a lower CPU
+  priority (nice 10);
+- "Ray": every test that runs Ray in the pytest process (one local Ray that
+  consecutive modules share, or `ray.cluster_utils` nodes), one module after
+  another;
+- "front door": every test that starts Ray in a process of its own (the launcher,
+  a docs shell running `ray start`): HAProxy binds fixed ports (its stats and
+  metrics pages), so these run one after another too (marker `front_door`).
 
-The lane without Ray runs at a lower CPU priority (nice 10): the Ray tests wait on
-timers (drains, health checks, first tokens), and CPU the other lane took from them
-stretched those waits (the Ray lane took 11 minutes so, 10 alone). The other lane
-uses what the Ray lane leaves idle.
+Why: the Ray tests spend most of their time waiting (Serve's drains, delays, health
+checks, first tokens) while the machine sits idle; two Ray lanes wait side by side
+and the torch lane uses what they leave. The lane without Ray runs niced: CPU it
+took from the Ray lanes would stretch their waits. The Ray lanes' Ray instances
+share nothing: the in-process one picks free ports, the launchers and docs shells
+their own (and a docs shell's `ray stop` sees only its own PID namespace).
 
 Each lane's output is printed when it is done, then one closing line with the
-counts of both. The exit status is non-zero if either lane failed or ran no test.
-Extra arguments go to both lanes (e.g. `-x`, `-k NAME`).
+counts of all. The exit status is non-zero if any lane failed or ran no test.
+Extra arguments go to every lane (e.g. `-x`, `-k NAME`).
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import time
 from pathlib import Path
 
 # name -> (pytest marker expression, niceness)
-LANES = {"no Ray": ("not ray", 10), "Ray": ("ray", 0)}
+LANES = {"no Ray": ("not ray", 10), "Ray": ("ray and not front_door", 0),
+         "front door": ("ray and front_door", 0)}
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
 
@@ -67,7 +73,7 @@ def main(argv: list[str]) -> int:
                 status = status or (rc if rc != 5 else 1)
                 print(f"lane {name!r} FAILED (pytest exit {rc})", flush=True)
     minutes, seconds = divmod(int(time.monotonic() - started), 60)
-    print(f"\nsuite ({minutes}:{seconds:02d}, both lanes):")
+    print(f"\nsuite ({minutes}:{seconds:02d}, {len(LANES)} lanes):")
     print(f"{totals.get('passed', 0)} passed, {totals.get('failed', 0) + totals.get('error', 0)} "
           f"failed, {totals.get('skipped', 0)} skipped")
     return status

@@ -22,7 +22,7 @@ import pytest
 from cluster.launcher import console, preflight
 from cluster_support import free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.front_door, pytest.mark.timeout(120)]
 
 
 def _launcher(*flags: str, timeout_s: float = 90) -> subprocess.CompletedProcess:

@@ -29,6 +29,9 @@ from docs_support import (
 )
 from multinode_support import ENGINE_RESOURCE, INGRESS_RESOURCE
 
+# HAProxy binds fixed ports: one module of these at a time (tests/run_lanes.py).
+pytestmark = pytest.mark.front_door
+
 DOC = "docs/multinode.md"
 NUM_ENGINE_NODES = 2
 
