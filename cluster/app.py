@@ -80,8 +80,9 @@ class AppArgs(EngineArgs):
         "yet (being validated, queued, prefilled); past it new ones get 429 + Retry-After "
         "before their body is read, so a burst never starves the streams already running; "
         "null: what the engine replicas admit at once (max_num_seqs + max_waiting_requests, "
-        "or 2 x max_num_seqs, times num_engine_replicas or autoscaling's max_replicas) over "
-        "num_ingress_replicas; -1: unbounded")
+        "or 2 x max_num_seqs, or engine_max_ongoing_requests less the kept slots; times "
+        "num_engine_replicas or autoscaling's max_replicas) over num_ingress_replicas; -1: "
+        "unbounded")
     engine_max_ongoing_requests: int | None = Field(
         None, ge=1, description=f"requests Serve lets through to one engine replica; null: "
         f"max_num_seqs + max_waiting_requests (or 2 x max_num_seqs) + the slots kept from "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -168,12 +169,15 @@ def greedy_texts(model: str, engine_args: dict, prompts: list[str]):
 
 
 @contextlib.contextmanager
-def busy_core(cpu: int = 0):
-    """A busy loop pinned to one core while the block runs: the machine at about
-    half its speed for whatever shares that core."""
+def busy_core():
+    """A busy loop pinned to one of this process's cores while the block runs: the
+    machine at about half its speed for whatever shares that core."""
+    cpu = min(os.sched_getaffinity(0))
     code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
+        time.sleep(0.2)
+        assert proc.poll() is None, f"the busy loop exited ({proc.returncode})"
         yield proc
     finally:
         proc.kill()

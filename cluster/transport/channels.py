@@ -19,7 +19,7 @@ import contextvars
 import logging
 from typing import Any
 
-from cluster.errors import replica_cause_message
+from cluster.errors import is_replica_lost, replica_cause_message
 from cluster.transport.routing import PIN_KWARG
 from cluster.transport.wire import decode_step
 from deltas.collector import DeltaCollector
@@ -115,11 +115,13 @@ class ChannelHub:
 
     def _fail(self, replica_id: str, exc: BaseException) -> None:
         message = replica_cause_message(exc)
+        lost = is_replica_lost(exc)  # the replica, not a refusal or a bug of ours
         request_ids = self._attached.pop(replica_id, set())
         logger.warning("channel to engine replica %s failed (%s); failing %d requests",
                        replica_id, message, len(request_ids))
         for request_id in request_ids:
             collector = self._collectors.get(request_id)
             if collector is not None:
-                self._channel_lost.add(request_id)
+                if lost:
+                    self._channel_lost.add(request_id)
                 collector.put_error(message)

@@ -8,13 +8,17 @@ HTTP status. `text_deltas` then drains the collector (everything pending at once
 so a consumer that falls behind gets one merged delta) through `TextStream`
 (incremental detokenizing, stop strings with hold-back).
 
-A request whose replica is lost before its first token (the admission call fails
-because the actor died or cannot be reached, or its engine died; its channel fails
-before the first delta) is tried again on another replica, before any header went
-out, under a fresh engine request id (`<id>~<attempt>`): whatever the lost replica
-still sends for the old id is dropped, so a stream never mixes two replicas'
-deltas. A replica whose engine died is avoided for a while
-(cluster/transport/replica_avoidance.py); Serve's router drops a dead actor by itself.
+A request whose replica is lost before its first token is tried again on another
+replica, before any header went out, under a fresh engine request id
+(`<id>~<attempt>`): whatever the lost replica still sends for the old id is
+dropped, so a stream never mixes two replicas' deltas. Lost means: the admission
+call is refused because the replica's engine died (up to 3 attempts; that replica
+is avoided for a while, cluster/transport/replica_avoidance.py), or the replica
+itself is gone: the admission call fails because its actor died or cannot be
+reached, or its channel fails that way before the first delta (one retry: a request
+that took its replica down must not take the next). Serve's router drops a dead
+actor by itself. An engine that fails a request it already admitted (an error
+delta) is its answer, never retried.
 Waiting for the first token (Serve's queue, the engine's queue, the prefill) is
 bounded by `queue_timeout_s`: past it, 503 + Retry-After.
 
@@ -34,7 +38,8 @@ from typing import AsyncIterator
 import msgspec
 
 from cluster.transport.channels import ChannelHub
-from cluster.errors import ApiError, is_replica_lost, replica_cause, replica_error
+from cluster.errors import (ApiError, ReplicaUnavailable, is_replica_lost, replica_cause,
+                            replica_error)
 from cluster.transport.replica_avoidance import avoid_replica
 from cluster.transport.wire import EngineRequest, encode_request
 from deltas.collector import DeltaCollector
@@ -45,9 +50,14 @@ logger = logging.getLogger("ray.serve")
 # How long a request may wait for its finished delta after its admission call
 # ended cleanly (the two travel on different streams) before it is failed.
 _FINISH_GRACE_S = 10.0
-# Admissions of one request: the first, and retries on other replicas when an
-# engine turned out dead.
+# Admissions of one request: the first, and retries on other replicas when its
+# replica turned out lost before the first token.
 MAX_ADMISSION_ATTEMPTS = 3
+# Of those, retries after the replica itself was lost (its actor died or cannot be
+# reached, its channel failed), not refused cleanly by a dead engine: a request that
+# took its replica down (out of memory in its prefill, say) takes one more at most.
+MAX_REPLICA_LOSS_RETRIES = 1
+RETRY_BACKOFF_S = 0.05
 # Between a request's id and its attempt number in a retry's engine request id.
 RETRY_ID_SEP = "~"
 QUEUE_TIMEOUT_RETRY_AFTER_S = 5.0
@@ -92,8 +102,10 @@ class Relay:
         return relay
 
     async def _admit(self, engine_stream, request: EngineRequest) -> None:
+        replica_losses = 0
         for attempt in range(MAX_ADMISSION_ATTEMPTS):
             if attempt:
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)  # Serve learns of the loss
                 # NOTE: a fresh engine request id per attempt: deltas the lost
                 # replica still sends for the old id meet no collector, so a stream
                 # never mixes two replicas' deltas.
@@ -108,10 +120,13 @@ class Relay:
             except asyncio.CancelledError:
                 raise
             except BaseException as e:
-                if last or not is_replica_lost(e):
-                    raise replica_error(e) from None
                 cause = replica_cause(e)
-                dead_engine = getattr(cause, "replica_id", None)
+                dead_engine = isinstance(cause, ReplicaUnavailable) and cause.replica_id
+                if not dead_engine:
+                    replica_losses += is_replica_lost(e)
+                if (last or not is_replica_lost(e)
+                        or replica_losses > MAX_REPLICA_LOSS_RETRIES):
+                    raise replica_error(e) from None
                 logger.warning("engine replica %s lost %s before admitting it (%s): trying "
                                "another", dead_engine or "(unknown)", request.request_id,
                                type(cause).__name__)
@@ -128,9 +143,14 @@ class Relay:
             # no header went out yet: a replica lost now is retried elsewhere
             lost = self._hub.lost_its_channel(request.request_id) or (
                 self._failure_cause is not None and is_replica_lost(self._failure_cause))
-            if last or not lost:
+            if not lost:
                 raise self._failure or ApiError(500, f"The request failed: {first.error}",
                                                 code="engine_error")
+            replica_losses += 1
+            if last or replica_losses > MAX_REPLICA_LOSS_RETRIES:
+                raise self._failure or ApiError(
+                    503, "The engine replica was lost before the first token; retry later",
+                    code="engine_unavailable", retry_after_s=1.0)
             logger.warning("engine replica %s was lost before %s's first token: trying "
                            "another", replica_id, request.request_id)
             avoid_replica(replica_id)

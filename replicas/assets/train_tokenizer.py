@@ -3,7 +3,7 @@
 The committed `tokenizer.json` next to this file is the source of truth: the text
 on each machine differs, so retraining gives a different vocabulary. Rerunning
 this script replaces the committed tokenizer, and with it every generated preset
-checkpoint must be regenerated (bump the preset version in `replicas/presets.py`).
+checkpoint must be regenerated (bump the preset version in `replicas/checkpoints/presets.py`).
 
 Corpus: the interpreter's own standard library sources (code plus their
 docstrings and comments), found offline on every machine.
@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 VOCAB_SIZE = 8192  # including the special tokens
-# NOTE: order fixes the ids (0..4); replicas/presets.py and the json configs rely on it.
+# NOTE: order fixes the ids (0..4); replicas/checkpoints/presets.py and the json configs rely on it.
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 MAX_CORPUS_BYTES = 24 * 2**20  # enough for an 8k vocab; keeps training under a minute
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}

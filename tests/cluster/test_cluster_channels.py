@@ -307,14 +307,17 @@ def test_a_channel_lost_before_the_first_token_is_retried_elsewhere(tokenizer):
         await _until(lambda: engine.channels.get("rep-2"))
         engine.step("rep-2", _delta("a~1", [65], 1, finish=True))
         relay = await task
+        assert engine.admissions["a"].cancelled  # the old attempt is aborted on rep-1
         out = [td async for td in relay.text_deltas()]
         assert out[-1].finish_reason == FinishReason.LENGTH and not hub._collectors
+        assert not hub._channel_lost
 
     asyncio.run(run())
 
 
 def test_errors_of_the_request_itself_are_not_retried_and_retries_are_bounded(tokenizer):
-    from cluster.transport.relay import MAX_ADMISSION_ATTEMPTS
+    from cluster.errors import ReplicaUnavailable
+    from cluster.transport.relay import MAX_ADMISSION_ATTEMPTS, RETRY_ID_SEP
 
     async def run():
         engine = ScriptedEngine()
@@ -329,13 +332,29 @@ def test_errors_of_the_request_itself_are_not_retried_and_retries_are_bounded(to
         with pytest.raises(ApiError) as info:
             await task
         assert info.value.status == 500 and list(engine.admissions) == ["a"]
-        # every replica tried is dead: 503 after the last attempt
+        # the replica itself lost twice: one retry only (a request that took its
+        # replica down must not take the next), then 503
         engine.refusals.update({"b": _lost_actor(), "b~1": _lost_actor(), "b~2": _lost_actor()})
         with pytest.raises(ApiError) as info:
             await _open(engine, hub, tokenizer, "b")
+        assert info.value.status == 503 and info.value.code == "engine_unavailable"
+        assert [r for r in engine.admissions if r.startswith("b")] == ["b", "b~1"]
+        # engines found dead refuse cleanly: every attempt, then 503
+        dead = ReplicaUnavailable("engine died", replica_id="rep-1")
+        engine.refusals.update({f"c{RETRY_ID_SEP}{i}" if i else "c": dead
+                                for i in range(MAX_ADMISSION_ATTEMPTS)})
+        with pytest.raises(ApiError) as info:
+            await _open(engine, hub, tokenizer, "c")
         assert info.value.status == 503
-        assert [r for r in engine.admissions if r.startswith("b")] == (
-            ["b"] + [f"b~{i}" for i in range(1, MAX_ADMISSION_ATTEMPTS)])
-        assert hub._collectors == {}
+        assert len([r for r in engine.admissions if r.startswith("c")]) == MAX_ADMISSION_ATTEMPTS
+        # a channel refused for a reason of its own is not a lost replica: no retry
+        task = _opening(engine, hub, tokenizer, "d")
+        await _until(lambda: engine.channels.get("rep-1"))
+        await asyncio.sleep(0.01)
+        engine.channels["rep-1"][-1].put(PermissionError("channel refused"))
+        with pytest.raises(ApiError):
+            await task
+        assert [r for r in engine.admissions if r.startswith("d")] == ["d"]
+        assert hub._collectors == {} and not hub._channel_lost
 
     asyncio.run(run())

@@ -7,17 +7,18 @@ own gate (cluster/api/pending_gate.py), before their body is read.
 
 Without the gate (`ingress_max_pending_requests: -1`) the same test fails: every
 request of the burst is parsed, tokenized and routed on the event loop that
-forwards the running streams' deltas, to be refused by an engine replica (0 of 386
-refusals by the gate); admitted requests then wait about 2.5x longer for their
-first token (median 0.86-1.1 s against 0.3-0.4 s here). The burst comes from a
-process of its own (tests/burst_client.py), so that the client's own work on 400
-connections does not delay the reading of the running streams."""
+forwards the running streams' deltas, to be refused by an engine replica (0 of 756
+refusals by the gate), and the admitted ones waited 3.9 s (median) for their first
+token after admission, 4.2 s at most (with the gate: 0.5 s, 1.0 s at most). The
+burst comes from a process of its own (tests/burst_client.py), so that the client's
+own work on 800 connections does not delay the reading of the running streams."""
 from __future__ import annotations
 
 import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -30,16 +31,18 @@ from reliability_support import busy_core, stream_request
 pytestmark = [pytest.mark.ray, pytest.mark.front_door, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
-MAX_NUM_SEQS = 2
+MAX_NUM_SEQS = 4  # two running streams leave every replica slots free
 QUEUE_TIMEOUT_S = 8.0
 NUM_ENGINE_REPLICAS = 2
 APP_ARGS = {"model": MODEL, "num_engine_replicas": NUM_ENGINE_REPLICAS, "engine_num_cpus": 0.5,
             "ingress_num_cpus": 0.5, "num_threads": 1, "max_num_seqs": MAX_NUM_SEQS,
-            "num_kv_blocks": 128, "max_model_len": 256, "num_scheduler_steps": 4,
+            "num_kv_blocks": 512, "max_model_len": 2048, "num_scheduler_steps": 4,
             "queue_timeout_s": QUEUE_TIMEOUT_S}
 BURST_FACTOR = 50  # requests per admission slot of the engines
 RUNNING_GAP_BOUND_S = 2.0
 RUNNING_STREAMS = 2
+RUNNING_TOKENS = 1900  # long enough to still run when the whole burst is sent
+BURST_DELAY_S = 6.0  # the burst client's start, on a busy machine
 INTAKE_FACTOR = 3.0
 PROMPT_REPEATS = 16  # about 120 tokens a prompt: a burst of real prompts
 ADMITTED_TTFT_BOUND_S = 2.0
@@ -67,12 +70,14 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else 0.0
 
 
-def _run_burst(url: str, num_requests: int, max_tokens: int, model: str = MODEL) -> list:
-    """The burst from a process of its own (tests/burst_client.py)."""
+def _run_burst(url: str, num_requests: int, max_tokens: int, model: str = MODEL,
+               start_at: float = 0.0) -> dict:
+    """The burst from a process of its own (tests/burst_client.py), sent at
+    `start_at` (time.monotonic(); 0: at once)."""
     client = Path(__file__).resolve().parents[1] / "burst_client.py"
     out = subprocess.run([sys.executable, str(client), url, str(num_requests), str(max_tokens),
-                          model, str(PROMPT_REPEATS)], capture_output=True, text=True,
-                         timeout=300)
+                          model, str(PROMPT_REPEATS), str(start_at)], capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
@@ -91,19 +96,26 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
             # 429 from the gate, which counts these too): the pace at which the
             # client and the front door take it in
             intake = await asyncio.to_thread(_run_burst, url, num_requests, 16, "none")
+            # NOTE: the burst's process starts now and sends at start_at; the running
+            # streams start meanwhile, so they stream through the whole burst
+            start_at = time.monotonic() + BURST_DELAY_S
+            burst = asyncio.ensure_future(asyncio.to_thread(
+                _run_burst, url, num_requests, 16, MODEL, start_at))
+            await asyncio.sleep(BURST_DELAY_S / 2)
             running = [asyncio.ensure_future(stream_request(
-                client, url, _body(200, f"Running {k} of the day")))
+                client, url, _body(RUNNING_TOKENS, f"Running {k} of the day")))
                 for k in range(RUNNING_STREAMS)]
-            await asyncio.sleep(1.0)  # both stream by now
-            burst = await asyncio.to_thread(_run_burst, url, num_requests, 16)
-            return intake, await asyncio.gather(*running), burst
+            return intake, await asyncio.gather(*running), await burst
 
     with busy_core():
-        intake, running, burst = asyncio.run(run())
+        intake, running, sent = asyncio.run(run())
+    intake, burst = intake["rows"], sent["rows"]
     assert {status for status, *_ in intake} <= {404, 429}
     gaps = []
     for r in running:  # the streams already running complete at their pace
         assert r.status == 200 and r.done and not r.error_events, r.events[-2:]
+        assert r.event_times[0] < sent["first_sent"] and r.event_times[-1] > sent["last_sent"], (
+            "a running stream did not run through the whole burst")
         gaps.append(max(b - a for a, b in zip(r.event_times, r.event_times[1:])))
     admitted = [row for row in burst if row[0] == 200]
     refused = [row for row in burst if row[0] == 429]
@@ -126,8 +138,10 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     assert len(admitted) >= MAX_NUM_SEQS and refused
     assert max(ttfts) < ADMITTED_TTFT_BOUND_S, sorted(ttfts)[-5:]
     # Refused before the expensive work: by the ingress's gate, not by an engine
-    # after being parsed, tokenized and routed (without the gate: none of them).
-    assert len(by_gate) >= 0.9 * len(refused), (len(by_gate), len(refused))
+    # after being parsed, tokenized and routed (without the gate: none of them). The
+    # gate counts requests without a first token; the engines' bound counts the
+    # running streams too, so a few refusals still come from an engine.
+    assert len(by_gate) >= 0.75 * len(refused), (len(by_gate), len(refused))
     # Refused at once, never after waiting for a slot: at about the pace of the
     # same burst answered without the engine.
     assert _median(refusal_s) < INTAKE_FACTOR * _median(intake_s), (
