@@ -36,7 +36,9 @@ def shared_ray(system_config: dict | None = None) -> None:
         return
     shut_down_shared_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False,
+    # NOTE: address "local": a Ray of its own, never a cluster `ray start` left running.
+    ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False,
+             log_to_driver=False,
              configure_logging=False, _system_config=wanted)
     _shared_ray_config = wanted
 
