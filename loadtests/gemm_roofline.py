@@ -1,0 +1,109 @@
+"""This machine's matrix-multiply limit at a model's own shapes, and the engine's
+decode throughput as a share of it: `python -m loadtests.bench_engine --roofline`.
+
+A decode step of B streams is, for its matrix multiplies, one (B x in) @ (in x out)
+product per linear layer of the model (the packed q/k/v and gate/up projections, o,
+down) times the layers, plus the lm-head's (B x hidden) @ (hidden x vocab). Timing
+`torch.mm` at exactly those shapes, in each dtype, gives the step's GEMM time and so
+the tokens per second no engine could beat with these kernels: the **roofline**
+(attention, norms, sampling and Python are all on top of it). The engine's decode
+throughput is B streams over its median time per output token (TPOT), measured by
+the full engine (loadtests/engine_runner.py) on the same machine in the same run.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from loadtests.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
+from loadtests.metrics import format_table
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def step_products(config) -> list[tuple[str, int, int, int]]:
+    """(name, in features, out features, products per step) of a decode step."""
+    h, hd = config.hidden_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * hd
+    layers = config.num_layers
+    return [("qkv", h, qkv, layers), ("o", config.num_heads * hd, h, layers),
+            ("gate_up", h, 2 * config.intermediate_size, layers),
+            ("down", config.intermediate_size, h, layers),
+            ("lm_head", h, config.vocab_size, 1)]
+
+
+def matmul_flops_per_token(config) -> int:
+    return sum(2 * k * n * count for _, k, n, count in step_products(config))
+
+
+def attention_flops_per_token(config, context_len: int) -> int:
+    """Scores and weighted sum over `context_len` keys, every layer."""
+    return 4 * config.num_layers * config.num_heads * config.head_dim * context_len
+
+
+def time_mm(batch: int, k: int, n: int, dtype: torch.dtype, repeats: int = 7) -> float:
+    """Median seconds of one (batch x k) @ (k x n) product."""
+    x = torch.randn(batch, k).to(dtype)
+    w = torch.randn(k, n).to(dtype)
+    for _ in range(2):
+        torch.mm(x, w)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(x, w)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def roofline(config, batch: int, dtype: torch.dtype) -> dict:
+    """The step's GEMM time at `batch` and what it allows."""
+    per_product = {name: time_mm(batch, k, n, dtype) for name, k, n, _ in step_products(config)}
+    step_s = sum(per_product[name] * count for name, _, _, count in step_products(config))
+    flops = matmul_flops_per_token(config) * batch
+    return {"gemm_step_ms": step_s * 1e3, "roofline_tok_s": batch / step_s,
+            "gemm_gflops": flops / step_s / 1e9,
+            "lm_head_share": per_product["lm_head"] / step_s}
+
+
+def engine_decode(model: str, batch: int, dtype: str, input_len: int, output_len: int) -> dict:
+    config = engine_config(model, dtype=dtype, max_num_seqs=max(batch, 1))
+    row = run_engine(config, sessions_of(random_prompts(batch, input_len), greedy(output_len)),
+                     batch)
+    return {"decode_tok_s": batch * 1000.0 / row["median_tpot_ms"],
+            "output_throughput": row["output_throughput"], "median_tpot_ms": row["median_tpot_ms"]}
+
+
+def report(models: list[str], batches: list[int], input_len: int, output_len: int,
+           dtypes: tuple[str, ...] = tuple(DTYPES)) -> dict:
+    from replicas.checkpoints.presets import ensure_model_dir
+    from replicas.models.model_config import ModelConfig
+
+    result = {}
+    for model in models:
+        config = ModelConfig.from_dir(ensure_model_dir(model))
+        context = input_len + output_len // 2
+        rows = {}
+        for dtype in dtypes:
+            for batch in batches:
+                row = roofline(config, batch, DTYPES[dtype])
+                row.update(engine_decode(model, batch, dtype, input_len, output_len))
+                row["share_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
+                rows[f"{dtype}, {batch} streams"] = row
+        result[model] = {"matmul_gflop_per_token": matmul_flops_per_token(config) / 1e9,
+                         "attention_gflop_per_token": attention_flops_per_token(config, context)
+                         / 1e9, "torch_threads": torch.get_num_threads(), "rows": rows}
+        print(f"\n{model}: {result[model]['matmul_gflop_per_token']:.3f} GFLOP of matrix "
+              f"multiplies per token (+ {result[model]['attention_gflop_per_token']:.3f} of "
+              f"attention at {context} tokens of context); {torch.get_num_threads()} torch "
+              f"threads; {input_len} in / {output_len} out, greedy")
+        print(format_table(rows, [("gemm_step_ms", "GEMM step ms", ".2f"),
+                                  ("gemm_gflops", "GEMM GFLOP/s", ".1f"),
+                                  ("lm_head_share", "lm-head", ".0%"),
+                                  ("roofline_tok_s", "roofline tok/s", ".0f"),
+                                  ("decode_tok_s", "engine decode tok/s", ".0f"),
+                                  ("share_of_roofline", "share", ".0%"),
+                                  ("output_throughput", "engine tok/s (with prefill)", ".0f")]),
+              flush=True)
+    return result
