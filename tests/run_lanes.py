@@ -7,7 +7,9 @@
   another;
 - "front door": every test that starts Ray in a process of its own (the launcher,
   a docs shell running `ray start`): HAProxy binds fixed ports (its stats and
-  metrics pages), so these run one after another too (marker `front_door`).
+  metrics pages), so these run one after another too (marker `front_door`); and,
+  to even the two Ray lanes out, the few tests that start a Ray of their own in
+  the pytest process (marker `own_ray`).
 
 Why: the Ray tests spend most of their time waiting (Serve's drains, delays, health
 checks, first tokens) while the machine sits idle; two Ray lanes wait side by side
@@ -31,8 +33,8 @@ import time
 from pathlib import Path
 
 # name -> (pytest marker expression, niceness)
-LANES = {"no Ray": ("not ray", 10), "Ray": ("ray and not front_door", 0),
-         "front door": ("ray and front_door", 0)}
+LANES = {"no Ray": ("not ray", 10), "Ray": ("ray and not front_door and not own_ray", 0),
+         "front door": ("ray and (front_door or own_ray)", 0)}
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
 

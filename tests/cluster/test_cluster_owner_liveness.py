@@ -14,7 +14,7 @@ import pytest
 
 from cluster.transport.owner_liveness import find_dead_owners
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray, pytest.mark.timeout(180)]
 
 PING_TIMEOUT_S = 0.5
 MAX_WAIT_FOR_DEATH_S = 20.0

@@ -24,7 +24,7 @@ import pytest
 
 from cluster_support import free_port, wait_healthy
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.own_ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
 ENGINE_ARGS = {"max_num_seqs": 8, "num_kv_blocks": 256, "max_model_len": 256,
