@@ -5,12 +5,13 @@ nodes). No Ray is started."""
 from __future__ import annotations
 
 import ast
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from layout_support import folder_entries, readme_names
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "cluster"
@@ -24,27 +25,6 @@ MAY_IMPORT = {
     "errors": set(),
     "metrics": set(),
 }
-
-
-def readme_names(folder: Path) -> set[str]:
-    """The files and folders the `| file | what |` and `| folder | what |` tables of
-    `folder`/README.md name in their first column."""
-    names, in_table = set(), False
-    for line in (folder / "README.md").read_text().splitlines():
-        if re.fullmatch(r"\|\s*(file|folder)\s*\|\s*what\s*\|", line.strip()):
-            in_table = True
-        elif in_table and line.startswith("|"):
-            names.update(re.findall(r"`([^`]+)`", line.split("|")[1]))
-        else:
-            in_table = False
-    return names
-
-
-def folder_entries(folder: Path) -> set[str]:
-    files = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
-    dirs = {f"{p.name}/" for p in folder.iterdir()
-            if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")}
-    return files | dirs
 
 
 @pytest.mark.parametrize("folder", ["", *ROOMS])
