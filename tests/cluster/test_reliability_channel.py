@@ -94,10 +94,21 @@ def _crash_the_ingress() -> None:
     """SIGKILL the ingress replica's process, as a crash would (no Ray-side cleanup)."""
     import psutil
 
-    procs = [p for p in psutil.process_iter(["cmdline"])
-             if "ServeReplica:stepstream:Ingress" in " ".join(p.info["cmdline"] or [])]
+    # NOTE: among this process's descendants (the local Ray it started) only: another
+    # lane of the suite may run an app of the same name meanwhile.
+    procs = [p for p in psutil.Process().children(recursive=True)
+             if "ServeReplica:stepstream:Ingress" in " ".join(_cmdline(p))]
     assert len(procs) == 1, procs
     procs[0].kill()
+
+
+def _cmdline(proc) -> list[str]:
+    import psutil
+
+    try:
+        return proc.cmdline()
+    except psutil.Error:  # gone meanwhile
+        return []
 
 
 def _counts(handle, keys) -> dict[str, int]:
