@@ -5,7 +5,8 @@ does not delay the test process's reading of the streams it watches meanwhile.
 (each prompt: "Burst <i> of the day. " that many times; sent at once at START_AT on
 `time.monotonic()`'s clock, the same in every process of the machine, or at once
 for 0) prints one JSON
-object: `first_sent` and `last_sent` (on that clock) and `rows`, per request [status (-1: the client failed),
+object: `first_sent`, `mid_sent` (the median) and `last_sent` (on that clock) and
+`rows`, per request [status (-1: the client failed),
 seconds from sending to its first event (or its whole answer), seconds to its end,
 the ingress's Server-Timing ttft in seconds or null, whether a stream ended with
 [DONE] and no error event, the error message of a non-200 answer or null].
@@ -65,7 +66,9 @@ async def burst(url: str, num_requests: int, max_tokens: int, model: str,
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         rows = await asyncio.gather(*(one(client, i) for i in range(num_requests)))
-    return {"first_sent": min(sent_at), "last_sent": max(sent_at), "rows": rows}
+    sent_at.sort()
+    return {"first_sent": sent_at[0], "mid_sent": sent_at[len(sent_at) // 2],
+            "last_sent": sent_at[-1], "rows": rows}
 
 
 if __name__ == "__main__":
