@@ -2,11 +2,10 @@
 does not delay the test process's reading of the streams it watches meanwhile.
 
 `python tests/burst_client.py URL NUM_REQUESTS MAX_TOKENS MODEL PROMPT_REPEATS START_AT`
-(each prompt: "Burst <i> of the day. " that many times; sent at once at START_AT on
-`time.monotonic()`'s clock, the same in every process of the machine, or at once
-for 0) prints one JSON
-object: `first_sent`, `mid_sent` (the median) and `last_sent` (on that clock) and
-`rows`, per request [status (-1: the client failed),
+(each prompt: "Burst <i> of the day. " that many times; sent at once, or with
+START_AT -1 once it printed "ready" and read a line from stdin) prints one JSON
+object: `first_sent`, `mid_sent` (the median) and `last_sent` (`time.monotonic()`,
+the same clock in every process of the machine) and `rows`, per request [status (-1: the client failed),
 seconds from sending to its first event (or its whole answer), seconds to its end,
 the ingress's Server-Timing ttft in seconds or null, whether a stream ended with
 [DONE] and no error event, the error message of a non-200 answer or null].
@@ -64,7 +63,9 @@ async def burst(url: str, num_requests: int, max_tokens: int, model: str,
 
     limits = httpx.Limits(max_connections=num_requests)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        if start_at < 0:  # told when: "ready" out, then a line in
+            print("ready", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)
         rows = await asyncio.gather(*(one(client, i) for i in range(num_requests)))
     sent_at.sort()
     return {"first_sent": sent_at[0], "mid_sent": sent_at[len(sent_at) // 2],
