@@ -42,7 +42,7 @@ APP_ARGS = {"model": MODEL, "num_engine_replicas": NUM_ENGINE_REPLICAS, "engine_
             "queue_timeout_s": QUEUE_TIMEOUT_S}
 BURST_FACTOR = 50  # requests per admission slot of the engines
 # NOTE: a stall shorter than the queue timeout: at the burst's peak a running stream
-# stalled up to 3 s here (the intake of 800 connections shares the ingress's loop).
+# stalled 3-4.6 s here (the intake of 800 connections shares the ingress's loop).
 RUNNING_GAP_BOUND_S = QUEUE_TIMEOUT_S
 RUNNING_STREAMS = 2
 RUNNING_TOKENS = 1900  # long enough to run through the burst
