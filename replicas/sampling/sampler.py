@@ -6,6 +6,10 @@ logprobs.
 it, updating its counters on the device), and `sample_no_sync` returns a device
 tensor: the caller makes the step's single host sync on it.
 
+Top-k and top-p rows on a CPU sample from their top candidates
+(`replicas/sampling/candidates.py`), not a sort of their whole vocabulary; on a GPU the
+sort is cheap and the whole batch takes it.
+
 Rows with a temperature draw from their adjusted distribution by inverse CDF on a
 CPU (one uniform number per row, `replicas/sampling/inverse_cdf.py`) and by the exponential
 race on a GPU (V random numbers per row, which a GPU makes in parallel at the cost
@@ -32,6 +36,8 @@ from typing import Callable
 
 import torch
 
+from replicas.sampling.candidates import (CandidatePlan, RowParams, plan_candidates,
+                                         top_k_rows_draw, top_p_rows_draw)
 from replicas.sampling.inverse_cdf import inverse_cdf_draw_no_sync
 from replicas.request import Request
 
@@ -89,10 +95,16 @@ class SamplingBatch:
     # logit_bias of every row as (rows (E,), token ids (E,), biases (E,)): one
     # accumulating index_put per step (into a copy), at every step of a window
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # CPU only: the rows that sample from their top candidates (candidates.py)
+    candidates: CandidatePlan | None = None
 
     @property
     def needs_logprobs(self) -> bool:
         return self.max_num_logprobs >= 0
+
+    @property
+    def row_params(self) -> RowParams:
+        return RowParams(self.temperatures, self.top_k, self.top_p, self.min_p)
 
 
 def build_sampling_batch(rows: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -153,9 +165,11 @@ def _build_sampling_batch(rows: list[Request], vocab_size: int,
         min_tokens = torch.tensor([p.min_tokens for p in params], device=device)
     max_lp = max((p.logprobs if p.logprobs is not None else -1 for p in params), default=-1)
     any_greedy = any(p.is_greedy for p in params)
+    candidates = plan_candidates(params, vocab_size) \
+        if device.type == "cpu" and (top_k is not None or top_p is not None) else None
     return SamplingBatch(B, all_greedy, any_greedy, temps, greedy, top_k, top_p, min_p, seeded, counts,
                          prompt_mask, presence, frequency, repetition, stop_mask, num_outputs,
-                         min_tokens, max_lp, _logit_bias(params, device))
+                         min_tokens, max_lp, _logit_bias(params, device), candidates)
 
 
 def _logit_bias(params: list, device: torch.device) -> tuple[torch.Tensor, ...] | None:
@@ -188,27 +202,28 @@ def _penalized(logits: torch.Tensor, sb: SamplingBatch, rows: slice) -> torch.Te
     return logits - sb.presence[rows] * (counts > 0).float()
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """Tokens outside each row's top-k / top-p set to -inf; in place on `logits`
     (the caller's own temporary) when the batch takes several chunks."""
     chunks = _row_chunks(*logits.shape)
     if len(chunks) == 1:
-        return _top_k_top_p(logits, sb, slice(None))
+        return _top_k_top_p(logits, rp, slice(None))
     for rows in chunks:
-        logits[rows] = _top_k_top_p(logits[rows], sb, rows)
+        logits[rows] = _top_k_top_p(logits[rows], rp, rows)
     return logits
 
 
-def _top_k_top_p(logits: torch.Tensor, sb: SamplingBatch, rows: slice) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, rp: RowParams, rows: slice) -> torch.Tensor:
+    """The whole-vocabulary path: a sort of each row."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if sb.top_k is not None:
+    if rp.top_k is not None:
         ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= sb.top_k[rows].unsqueeze(1), _NEG_INF)
-    if sb.top_p is not None:
+        sorted_logits = sorted_logits.masked_fill(ranks >= rp.top_k[rows].unsqueeze(1), _NEG_INF)
+    if rp.top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         # NOTE: the top token always stays (its mass_before is 0).
-        sorted_logits = sorted_logits.masked_fill(mass_before >= sb.top_p[rows].unsqueeze(1),
+        sorted_logits = sorted_logits.masked_fill(mass_before >= rp.top_p[rows].unsqueeze(1),
                                                   _NEG_INF)
     return torch.full_like(logits, _NEG_INF).scatter_(-1, order, sorted_logits)
 
@@ -230,15 +245,28 @@ def adjusted_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """(B, V) adjusted logits -> the distributions the non-greedy rows sample from."""
-    scaled = logits / sb.temperatures.unsqueeze(1)
-    if sb.top_k is not None or sb.top_p is not None:
-        scaled = _apply_top_k_top_p(scaled, sb)
+    """(B, V) adjusted logits -> the distributions the non-greedy rows sample from
+    (what the candidates of candidates.py sample from too)."""
+    return _whole_vocab_probs(logits, sb.row_params)
+
+
+def _whole_vocab_probs(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
+    scaled = logits / rp.temperatures.unsqueeze(1)
+    if rp.top_k is not None or rp.top_p is not None:
+        scaled = _apply_top_k_top_p(scaled, rp)
     probs = scaled.softmax(dim=-1)
-    if sb.min_p is not None:
-        threshold = sb.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    if rp.min_p is not None:
+        threshold = rp.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
+
+
+def _uniforms(sb: SamplingBatch, device: torch.device) -> torch.Tensor:
+    """(B,) float64 uniforms, a seeded row's from its own generator."""
+    uniforms = torch.rand(sb.num_rows, dtype=torch.float64, device=device)
+    for row, gen in sb.seeded_rows:
+        uniforms[row] = torch.rand((), dtype=torch.float64, generator=gen, device=device)
+    return uniforms
 
 
 def _draw_no_sync(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -249,10 +277,47 @@ def _draw_no_sync(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         for row, gen in sb.seeded_rows:
             q[row].exponential_(generator=gen)
         return (probs / q).argmax(dim=-1)
-    uniforms = torch.rand(sb.num_rows, dtype=torch.float64, device=probs.device)
-    for row, gen in sb.seeded_rows:
-        uniforms[row] = torch.rand((), dtype=torch.float64, generator=gen, device=probs.device)
-    return inverse_cdf_draw_no_sync(probs, uniforms)
+    return inverse_cdf_draw_no_sync(probs, _uniforms(sb, probs.device))
+
+
+def _index_chunks(rows: torch.Tensor, num_rows: int, vocab_size: int) -> list:
+    """`rows` in chunks of the expensive paths' size: slices where `rows` is the
+    whole batch (views, no copy), else index tensors."""
+    if len(rows) == num_rows:
+        return _row_chunks(num_rows, vocab_size)
+    return [rows[c] for c in _row_chunks(len(rows), vocab_size)]
+
+
+def _draw_from_candidates(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """(B, V) adjusted logits -> (B,) ids of the non-greedy rows, a CPU's top-k / top-p
+    rows from their candidates (greedy rows' entries are left for the caller)."""
+    plan, rp = sb.candidates, sb.row_params
+    uniforms = _uniforms(sb, logits.device)
+    sampled = torch.zeros(sb.num_rows, dtype=torch.int64, device=logits.device)
+    num_rows, vocab = logits.shape
+
+    def rows_of(chunk):
+        if isinstance(chunk, slice):
+            return logits[chunk], rp.take(torch.arange(num_rows)[chunk]), uniforms[chunk]
+        return logits.index_select(0, chunk), rp.take(chunk), uniforms.index_select(0, chunk)
+
+    def whole_vocab_draw(part, sub, u):
+        return inverse_cdf_draw_no_sync(_whole_vocab_probs(part, sub), u)
+
+    for rows, width in plan.top_k_groups:
+        for chunk in _index_chunks(rows, num_rows, vocab):
+            part, sub, u = rows_of(chunk)
+            sampled[chunk] = top_k_rows_draw(part, width, sub, u)
+    if plan.top_p_rows is not None:
+        for chunk in _index_chunks(plan.top_p_rows, num_rows, vocab):
+            part, sub, u = rows_of(chunk)
+            sampled[chunk] = top_p_rows_draw(part, sub, u, lambda i, part=part, sub=sub, u=u:
+                                             whole_vocab_draw(part.index_select(0, i),
+                                                              sub.take(i), u.index_select(0, i)))
+    if plan.whole_vocab_rows is not None:
+        for chunk in _index_chunks(plan.whole_vocab_rows, num_rows, vocab):
+            sampled[chunk] = whole_vocab_draw(*rows_of(chunk))
+    return sampled
 
 
 def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,8 +348,10 @@ def _sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tens
     if sb.all_greedy:
         sampled = logits.argmax(dim=-1)
     else:
-        probs = sampling_probs(logits, sb)
-        sampled = _draw_no_sync(probs, sb)
+        if sb.candidates is not None:
+            sampled = _draw_from_candidates(logits, sb)
+        else:
+            sampled = _draw_no_sync(sampling_probs(logits, sb), sb)
         if sb.any_greedy:
             sampled = torch.where(sb.greedy_rows, logits.argmax(dim=-1), sampled)
     if sb.output_counts is not None:

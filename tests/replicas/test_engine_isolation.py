@@ -140,15 +140,15 @@ def test_a_seeded_request_next_to_a_failing_one_samples_as_alone(engine):
 
 
 def test_a_request_that_cannot_get_sampling_memory_fails_alone(engine, reference, monkeypatch):
-    # The marked request's top-k sort cannot get memory, in any batch and alone.
-    real = sampler._top_k_top_p
+    # The marked request's top-k candidates cannot get memory, in any batch and alone.
+    real = sampler.top_k_rows_draw
 
-    def top_k_top_p(logits, sb, rows):
-        if sb.top_k is not None and bool((sb.top_k[rows] == 7).any()):
+    def top_k_rows_draw(logits, width, rp, uniforms):
+        if bool((rp.top_k == 7).any()):
             raise MemoryError()
-        return real(logits, sb, rows)
+        return real(logits, width, rp, uniforms)
 
-    monkeypatch.setattr(sampler, "_top_k_top_p", top_k_top_p)
+    monkeypatch.setattr(sampler, "top_k_rows_draw", top_k_rows_draw)
     ids = [f"m{i}" for i in range(6)]
     for rid, p in zip(ids, _prompts()):
         engine.add_request(p, GREEDY, request_id=rid)

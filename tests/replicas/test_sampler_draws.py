@@ -4,8 +4,6 @@ outside top-k / top-p / min-p or of zero probability never drawn, and seeded row
 reproducible whatever batch they run in. Sampler only: no model."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -13,26 +11,8 @@ from replicas.config import SamplingParams
 from replicas.sampling.inverse_cdf import BLOCK, inverse_cdf_draw_no_sync
 from replicas.request import Request
 from replicas.sampling.sampler import build_sampling_batch, sample_no_sync, sampling_probs
-
-CPU = torch.device("cpu")
-# Wilson-Hilferty: the chi-square quantile for `dof` degrees of freedom at the
-# normal quantile z (z = 4.27: a false alarm once in 100,000 runs; the draws are
-# seeded, so each run is the same anyway).
-_Z = 4.27
-
-
-def _chi_square_limit(dof: int) -> float:
-    return dof * (1 - 2 / (9 * dof) + _Z * math.sqrt(2 / (9 * dof))) ** 3
-
-
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic over the cells with positive probability, and its dof.
-    `probs` may be unnormalised (min_p masks without renormalising)."""
-    n = counts.sum().item()
-    keep = probs > 0
-    expected = probs[keep].double() / probs.double().sum() * n
-    observed = counts[keep].double()
-    return float(((observed - expected) ** 2 / expected).sum()), int(keep.sum()) - 1
+from tests.sampling_support import (CPU, chi_square, chi_square_limit, sampled_counts,
+                                    sampler_row)
 
 
 def _draw_counts(weights: torch.Tensor, num_draws: int, seed: int) -> torch.Tensor:
@@ -54,8 +34,8 @@ def test_inverse_cdf_draws_match_the_distribution(vocab):
     weights[::5] = 0.0  # masked tokens
     counts = _draw_counts(weights, 4096 * 60, seed=1)
     probs = weights / weights.sum()
-    stat, dof = _chi_square(counts, probs)
-    assert stat < _chi_square_limit(dof), (stat, dof)
+    stat, dof = chi_square(counts, probs)
+    assert stat < chi_square_limit(dof), (stat, dof)
     assert counts[weights == 0].sum() == 0
 
 
@@ -65,8 +45,8 @@ def test_a_biased_draw_fails_the_same_check():
     weights = torch.rand(64, generator=g)
     counts = _draw_counts(weights, 4096 * 30, seed=2)
     shifted = torch.roll(counts, 1)
-    stat, dof = _chi_square(shifted, weights / weights.sum())
-    assert stat > _chi_square_limit(dof)
+    stat, dof = chi_square(shifted, weights / weights.sum())
+    assert stat > chi_square_limit(dof)
 
 
 def test_extreme_uniforms_never_reach_zero_weight_tokens():
@@ -83,22 +63,6 @@ def test_extreme_uniforms_never_reach_zero_weight_tokens():
             assert weights[row, i] > 0, (u, row, i)
 
 
-def _request(i: int, params: SamplingParams) -> Request:
-    return Request(f"r{i}", [3, 4, 5, 6], params, None, frozenset({1}), 10**6)
-
-
-def _sampled_counts(params: SamplingParams, logits: torch.Tensor, num_draws: int) -> torch.Tensor:
-    rows = [_request(i, params) for i in range(2048)]
-    sb = build_sampling_batch(rows, logits.shape[0], CPU)
-    batch = logits.unsqueeze(0).expand(len(rows), -1).contiguous()
-    counts = torch.zeros(logits.shape[0], dtype=torch.int64)
-    torch.manual_seed(3)
-    for _ in range(num_draws // len(rows)):
-        sampled, _ = sample_no_sync(batch.clone(), sb)
-        counts += torch.bincount(sampled, minlength=logits.shape[0])
-    return counts, sb
-
-
 @pytest.mark.parametrize("kwargs", [
     {"temperature": 1.0},
     {"temperature": 0.7, "top_k": 20},
@@ -108,10 +72,10 @@ def _sampled_counts(params: SamplingParams, logits: torch.Tensor, num_draws: int
 def test_sampled_frequencies_follow_the_adjusted_distribution(kwargs):
     vocab = 200
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(11)) * 2.0
-    counts, sb = _sampled_counts(SamplingParams(**kwargs), logits, 2048 * 60)
+    counts, sb = sampled_counts(SamplingParams(**kwargs), logits, 2048 * 60)
     probs = sampling_probs(logits.unsqueeze(0).expand(sb.num_rows, -1), sb)[0]
-    stat, dof = _chi_square(counts, probs)
-    assert stat < _chi_square_limit(dof), (stat, dof)
+    stat, dof = chi_square(counts, probs)
+    assert stat < chi_square_limit(dof), (stat, dof)
     # the support is respected: nothing outside top-k / top-p / min-p
     assert counts[probs == 0].sum() == 0
     if "top_k" in kwargs:
@@ -123,7 +87,7 @@ def _seeded_tokens(batch_size: int, seed: int, num_steps: int = 12) -> list[int]
     vocab = 1000
     target = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
     others = [SamplingParams(temperature=0.8, seed=i if i % 2 else None) for i in range(batch_size - 1)]
-    rows = [_request(0, target)] + [_request(i + 1, p) for i, p in enumerate(others)]
+    rows = [sampler_row(0, target)] + [sampler_row(i + 1, p) for i, p in enumerate(others)]
     sb = build_sampling_batch(rows, vocab, CPU)
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(num_steps, vocab, generator=g)
@@ -148,6 +112,6 @@ def test_greedy_rows_stay_exact_beside_sampled_rows():
     vocab = 300
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(2)) * 4
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 3
-    rows = [_request(i, p) for i, p in enumerate(params)]
+    rows = [sampler_row(i, p) for i, p in enumerate(params)]
     sampled, _ = sample_no_sync(logits.clone(), build_sampling_batch(rows, vocab, CPU))
     assert sampled[0::2].tolist() == logits[0::2].argmax(dim=-1).tolist()

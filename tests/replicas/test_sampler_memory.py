@@ -126,7 +126,9 @@ def test_out_of_memory_in_sampling_is_a_request_fault(monkeypatch):
     def no_device_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(sampler, "_top_k_top_p", no_device_memory)
+    # NOTE: on a CPU, top-k rows sample from their candidates; the sort is the
+    # whole-vocabulary path (a GPU's, and a CPU's past MAX_WIDTH).
+    monkeypatch.setattr(sampler, "top_k_rows_draw", no_device_memory)
     with pytest.raises(sampler.SamplingOutOfMemory) as info:
         sampler.sample_no_sync(torch.randn(4, V), sampler.build_sampling_batch(rows, V, CPU))
     assert not is_engine_fault(info.value)

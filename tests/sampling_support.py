@@ -1,0 +1,50 @@
+"""Checks of sampled frequencies against a distribution (Pearson's chi-square),
+shared by the sampler's tests."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from replicas.config import SamplingParams
+from replicas.request import Request
+from replicas.sampling.sampler import SamplingBatch, build_sampling_batch, sample_no_sync
+
+CPU = torch.device("cpu")
+# Wilson-Hilferty: the chi-square quantile for `dof` degrees of freedom at the
+# normal quantile z (z = 4.27: a false alarm once in 100,000 runs; the draws are
+# seeded, so each run is the same anyway).
+_Z = 4.27
+
+
+def chi_square_limit(dof: int) -> float:
+    return dof * (1 - 2 / (9 * dof) + _Z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the cells with positive probability, and its dof.
+    `probs` may be unnormalised (min_p masks without renormalising)."""
+    n = counts.sum().item()
+    keep = probs > 0
+    expected = probs[keep].double() / probs.double().sum() * n
+    observed = counts[keep].double()
+    return float(((observed - expected) ** 2 / expected).sum()), int(keep.sum()) - 1
+
+
+def sampler_row(i: int, params: SamplingParams) -> Request:
+    return Request(f"r{i}", [3, 4, 5, 6], params, None, frozenset({1}), 10**6)
+
+
+def sampled_counts(params: SamplingParams, logits: torch.Tensor, num_draws: int,
+                   num_rows: int = 2048) -> tuple[torch.Tensor, SamplingBatch]:
+    """Counts per token of `num_draws` draws from one (V,) row of logits, sampled
+    as batches of `num_rows` copies of that row, and the batch's SamplingBatch."""
+    rows = [sampler_row(i, params) for i in range(num_rows)]
+    sb = build_sampling_batch(rows, logits.shape[0], CPU)
+    batch = logits.unsqueeze(0).expand(len(rows), -1).contiguous()
+    counts = torch.zeros(logits.shape[0], dtype=torch.int64)
+    torch.manual_seed(3)
+    for _ in range(num_draws // len(rows)):
+        sampled, _ = sample_no_sync(batch.clone(), sb)
+        counts += torch.bincount(sampled, minlength=logits.shape[0])
+    return counts, sb
