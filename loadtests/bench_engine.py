@@ -19,6 +19,9 @@ ignore_eos, 128-token prompts unless said):
   step products (`smollm2-135m` at 64 and 256 streams by default), the decode
   throughput it allows, and the engine's decode throughput as a share of it
   (loadtests/gemm_roofline.py);
+- `--sampling`: greedy, temperature 1.0, and temperature 1.0 with top-k 50 and top-p 0.9
+  on the trained preset (its 49k vocabulary), the sampler alone (beside the
+  whole-vocabulary sort) and the engine (loadtests/sampling_pace.py);
 - `--wire`: the per-step wire's encode + decode cost, old lists vs msgspec bytes
   (loadtests/wire_cost.py; no engine, no model).
 - `--structured`: 200 streams, every fourth held to a JSON schema, beside the same
@@ -39,14 +42,15 @@ from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_
                                      run_process_engine, sessions_of)
 from loadtests.metrics import format_table, median_rows, ratio
 
-MODES = ("matrix", "ceiling", "process", "prefix", "wire", "structured", "roofline")
+MODES = ("matrix", "ceiling", "process", "prefix", "wire", "structured", "roofline", "sampling")
 # per mode: models, concurrency, output_len, repeats
 DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "matrix": (["tiny", "small"], [64, 256], 256, 1),
             "ceiling": (["tiny"], [200], 128, 1), "process": (["tiny"], [200], 128, 2),
             "prefix": (["tiny"], [1, 16], 128, 3), "wire": ([], [], 0, 1),
             "structured": (["tiny"], [200], 128, 3),
-            "roofline": (["smollm2-135m"], [64, 256], 64, 1)}
+            "roofline": (["smollm2-135m"], [64, 256], 64, 1),
+            "sampling": (["smollm2-135m"], [64, 256], 64, 1)}
 TOK_S = ("output_throughput", "tok/s", ".0f")
 TTFT = ("median_ttft_ms", "TTFT p50 ms", ".1f")
 TPOT = [("median_tpot_ms", "TPOT p50 ms", ".2f"), ("p99_tpot_ms", "p99", ".2f")]
@@ -282,6 +286,10 @@ def main(argv: list[str] | None = None) -> dict:
     elif mode == "roofline":
         from loadtests.gemm_roofline import report
         result = report(args.models, args.concurrency, args.input_len, args.output_len)
+    elif mode == "sampling":
+        from loadtests.sampling_pace import report
+        result = report(args.models, args.concurrency, args.input_len, args.output_len,
+                        args.repeats)
     elif mode == "wire":
         from loadtests.wire_cost import report
         result = report(args.num_deltas, args.tokens, args.samples)
