@@ -21,6 +21,14 @@ their own (and a docs shell's `ray stop` sees only its own PID namespace).
 Each lane's output is printed when it is done, then one closing line with the
 counts of all. The exit status is non-zero if any lane failed or ran no test.
 Extra arguments go to every lane (e.g. `-x`, `-k NAME`).
+
+A test that fails beside the other lanes runs once more, alone, after all of them
+(at most MAX_RUN_ALONE tests; more failures than that, or a lane that broke in
+another way, fail the suite at once). Many tests bound a wait (a first token, a
+stream's largest gap, a replica's start) for the load they make themselves; on a
+slow machine two other lanes beside them can stretch that wait past its bound. A
+test that also fails alone fails the suite; one that passes alone is named in the
+closing lines, so a test that only holds on a quiet machine stays in sight.
 """
 from __future__ import annotations
 
@@ -36,6 +44,9 @@ from pathlib import Path
 LANES = {"no Ray": ("not ray", 10), "Ray": ("ray and not front_door and not own_ray", 0),
          "front door": ("ray and (front_door or own_ray)", 0)}
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+# pytest's short summary: "FAILED tests/x.py::test_y[a b] - AssertionError: ..."
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S.*?)(?: - .*)?$")
+MAX_RUN_ALONE = 8
 
 
 def _counts(log: str) -> dict[str, int]:
@@ -48,6 +59,12 @@ def _counts(log: str) -> dict[str, int]:
                 counts[kind.rstrip("s") if kind.startswith("error") else kind] = int(number)
             return counts
     return {}
+
+
+def _failed_tests(log: str) -> list[str]:
+    """The node ids of pytest's FAILED and ERROR summary lines, in order, once each."""
+    found = (_FAILED.match(line) for line in log.splitlines())
+    return list(dict.fromkeys(m.group(1) for m in found if m))
 
 
 # Ray's and Serve's variables a shell may hold (README's second way exports some):
@@ -74,6 +91,7 @@ def main(argv: list[str]) -> int:
             runs[name] = (proc, log, log_path)
         status = 0
         totals: dict[str, int] = {}
+        failed_tests: list[str] = []
         for name, (proc, log, log_path) in runs.items():
             rc = proc.wait()
             log.close()
@@ -82,16 +100,54 @@ def main(argv: list[str]) -> int:
             counts = _counts(text)
             for kind, number in counts.items():
                 totals[kind] = totals.get(kind, 0) + number
+            lane_failed_tests = _failed_tests(text)
+            failed_tests += lane_failed_tests
             # 1: failures, 5: no test ran (only a failure without -k: a -k may match
             # nothing in one lane), others: pytest itself failed
             if rc != 0 and not (rc == 5 and any(a.startswith("-k") for a in argv)):
-                status = status or (rc if rc != 5 else 1)
+                # NOTE: 1 = test failures, named in the summary (they may run alone);
+                # 2 = anything else (no test ran, pytest broke): fails at once
+                status = max(status, 1 if rc == 1 and lane_failed_tests else 2)
                 print(f"lane {name!r} FAILED (pytest exit {rc})", flush=True)
+        passed_alone: list[str] = []
+        if status == 1 and len(failed_tests) <= MAX_RUN_ALONE:
+            status, totals, passed_alone = _run_alone(failed_tests, argv, env, tmp, totals)
     minutes, seconds = divmod(int(time.monotonic() - started), 60)
+    if passed_alone:
+        print(f"\n{len(passed_alone)} failed beside the other lanes and passed alone:")
+        for node_id in passed_alone:
+            print(f"  {node_id}")
     print(f"\nsuite ({minutes}:{seconds:02d}, {len(LANES)} lanes):")
     print(f"{totals.get('passed', 0)} passed, {totals.get('failed', 0) + totals.get('error', 0)} "
           f"failed, {totals.get('skipped', 0)} skipped")
     return status
+
+
+def _run_alone(node_ids: list[str], argv: list[str], env: dict, tmp: str,
+               totals: dict[str, int]) -> tuple[int, dict[str, int], list[str]]:
+    """Run the lanes' failed tests once more in one process, one after another:
+    (exit status, the suite's counts with these tests' second results in place of
+    their first, the tests that passed alone)."""
+    print(f"\n===== alone: the {len(node_ids)} tests that failed beside the other lanes "
+          f"=====", flush=True)
+    log_path = Path(tmp) / "alone.log"
+    # NOTE: paths and node ids the caller named would select more than the failed tests
+    options = [a for a in argv if not os.path.exists(a.split("::")[0])]
+    with open(log_path, "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", *options, *node_ids],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env).returncode
+    text = log_path.read_text(errors="replace")
+    print(text, flush=True)
+    counts = _counts(text)
+    still_failing = set(_failed_tests(text))
+    totals = dict(totals)
+    totals["passed"] = totals.get("passed", 0) + counts.get("passed", 0)
+    totals["failed"], totals["error"] = counts.get("failed", 0), counts.get("error", 0)
+    if rc != 0:
+        print(f"alone: FAILED (pytest exit {rc})", flush=True)
+        return 1, totals, []
+    return 0, totals, [n for n in node_ids if n not in still_failing]
 
 
 if __name__ == "__main__":

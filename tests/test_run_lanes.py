@@ -1,0 +1,77 @@
+"""tests/run_lanes.py (what `make test` and CI run): a test that fails beside the
+other lanes runs once more alone, and the closing lines say so; a test that fails
+alone too, or a lane that broke in another way, fails the suite. Driven over a small
+suite written here, with the lanes replaced by two of its own."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import run_lanes  # noqa: E402
+
+SUITE = '''
+import os, pathlib
+import pytest
+
+def test_steady():
+    pass
+
+@pytest.mark.timing
+def test_fails_the_first_time():
+    marker = pathlib.Path(os.environ["LANES_TMP"]) / "ran-once"
+    first = not marker.exists()
+    marker.touch()
+    assert not first, "first run"
+
+@pytest.mark.timing
+{last}
+'''
+
+
+def _suite(tmp_path: Path, body: str) -> list[str]:
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    timing: a test of this suite\n")
+    (tmp_path / "test_small_suite.py").write_text(body)
+    return [str(tmp_path), f"--rootdir={tmp_path}", "-p", "no:cacheprovider"]
+
+
+@pytest.fixture
+def two_lanes(monkeypatch, tmp_path):
+    monkeypatch.setattr(run_lanes, "LANES", {"timing": ("timing", 0), "rest": ("not timing", 0)})
+    monkeypatch.setenv("LANES_TMP", str(tmp_path))
+
+
+def test_failed_tests_are_read_from_pytests_summary_lines():
+    log = ("....F\nFAILED tests/a.py::test_x[1.0-several widths] - AssertionError: a - b\n"
+           "ERROR tests/b.py::test_y - RuntimeError\nFAILED tests/a.py::test_z\n"
+           "SKIPPED [2] tests/c.py:4: needs a CUDA device\n"
+           "FAILED tests/a.py::test_x[1.0-several widths] - again\n")
+    assert run_lanes._failed_tests(log) == ["tests/a.py::test_x[1.0-several widths]",
+                                            "tests/b.py::test_y", "tests/a.py::test_z"]
+
+
+def test_a_test_that_passes_alone_is_counted_passed_and_named(two_lanes, tmp_path, capsys):
+    argv = _suite(tmp_path, SUITE.format(last="def test_other():\n    pass"))
+    assert run_lanes.main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.rstrip().splitlines()
+    assert lines[-1] == "3 passed, 0 failed, 0 skipped"
+    assert "1 failed beside the other lanes and passed alone:" in out
+    assert "test_small_suite.py::test_fails_the_first_time" in out.split("passed alone:")[1]
+
+
+def test_a_test_that_fails_alone_too_fails_the_suite(two_lanes, tmp_path, capsys):
+    argv = _suite(tmp_path, SUITE.format(last="def test_always():\n    assert False"))
+    assert run_lanes.main(argv) == 1
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1] == "2 passed, 1 failed, 0 skipped"
+    assert "alone: FAILED" in out and "passed alone" not in out
+
+
+def test_a_lane_that_breaks_otherwise_fails_at_once(two_lanes, tmp_path, capsys):
+    argv = _suite(tmp_path, SUITE.format(last="def test_broken(:"))
+    assert run_lanes.main(argv) == 2
+    out = capsys.readouterr().out
+    assert "===== alone" not in out
