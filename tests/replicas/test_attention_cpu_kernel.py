@@ -60,7 +60,8 @@ def _decode_case(B, h, kvh, d, bs, lens, seed=0):
     return q, k_cache, v_cache, meta
 
 
-@pytest.mark.parametrize("h,kvh,d,bs", [(4, 2, 64, 16), (4, 4, 32, 16), (8, 1, 64, 8), (6, 3, 16, 32)])
+@pytest.mark.parametrize("h,kvh,d,bs", [(4, 2, 64, 16), (4, 4, 32, 16), (8, 1, 64, 8), (6, 3, 16, 32),
+                                        (9, 3, 64, 16), (4, 2, 128, 16)])
 def test_decode_matches_the_torch_backend(h, kvh, d, bs):
     # lengths at, below and above block edges, and a single token
     lens = [1, bs - 1, bs, bs + 1, 3 * bs, 5 * bs + 7, 2, 4 * bs - 1]

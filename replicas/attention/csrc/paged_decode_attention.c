@@ -24,9 +24,15 @@ static inline void prefetch(const float *p, int64_t num_floats) {
         __builtin_prefetch(p + i, 0, 3);
 }
 
-static void attend_one(const float *q, const float *k_cache, const float *v_cache,
-                       const int32_t *table, int64_t L, float *out, float *scores,
-                       int64_t h, int64_t kvh, int64_t d, int64_t bs, float scale) {
+/* NOTE: always inlined into the head sizes below, so that with d a compile-time
+ * constant the compiler unrolls the head_dim loops into whole vector registers.
+ * Heads are walked by KV group (each group's q heads read one K/V row), with no
+ * division in the loops. */
+static inline __attribute__((always_inline)) void attend_one_impl(
+        const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+        const int32_t *restrict table, int64_t L, float *restrict out, float *restrict scores,
+        int64_t h, int64_t kvh, const int64_t d,
+        int64_t bs, float scale) {
     const int64_t group = h / kvh;
     const int64_t tok_stride = kvh * d;
     const int64_t block_stride = bs * tok_stride;
@@ -35,18 +41,25 @@ static void attend_one(const float *q, const float *k_cache, const float *v_cach
     prefetch(k_cache + (int64_t)table[0] * block_stride, block_stride);
     for (int64_t blk = 0; blk < num_blocks; blk++) {
         const float *kb = k_cache + (int64_t)table[blk] * block_stride;
-        if (blk + 1 < num_blocks)
-            prefetch(k_cache + (int64_t)table[blk + 1] * block_stride, block_stride);
-        else
-            prefetch(v_cache + (int64_t)table[0] * block_stride, block_stride);
+        /* NOTE: the next block (or the first V block) is prefetched a token's rows
+         * at a time, spread over this block's tokens: a whole block at once
+         * overflows the prefetch queue, which then drops most of it */
+        const float *next = blk + 1 < num_blocks ? k_cache + (int64_t)table[blk + 1] * block_stride
+                                                 : v_cache + (int64_t)table[0] * block_stride;
         const int64_t n = (blk + 1) * bs <= L ? bs : L - blk * bs;
         for (int64_t u = 0; u < n; u++) {
             const float *kt = kb + u * tok_stride;
-            for (int64_t hh = 0; hh < h; hh++) {
-                const float *qh = q + hh * d, *kh = kt + (hh / group) * d;
-                float acc = 0.f;
-                for (int64_t i = 0; i < d; i++) acc += qh[i] * kh[i];
-                scores[hh * L + blk * bs + u] = acc * scale;
+            prefetch(next + u * tok_stride, u + 1 < n ? tok_stride : (bs - u) * tok_stride);
+            float *st = scores + blk * bs + u;
+            for (int64_t g = 0; g < kvh; g++) {
+                const float *kh = kt + g * d;
+                for (int64_t j = 0; j < group; j++) {
+                    const int64_t hh = g * group + j;
+                    const float *qh = q + hh * d;
+                    float acc = 0.f;
+                    for (int64_t i = 0; i < d; i++) acc += qh[i] * kh[i];
+                    st[hh * L] = acc * scale;
+                }
             }
         }
     }
@@ -62,19 +75,36 @@ static void attend_one(const float *q, const float *k_cache, const float *v_cach
     memset(out, 0, sizeof(float) * h * d);
     for (int64_t blk = 0; blk < num_blocks; blk++) {
         const float *vb = v_cache + (int64_t)table[blk] * block_stride;
-        if (blk + 1 < num_blocks)
-            prefetch(v_cache + (int64_t)table[blk + 1] * block_stride, block_stride);
+        const float *next = blk + 1 < num_blocks ? v_cache + (int64_t)table[blk + 1] * block_stride
+                                                 : NULL;
         const int64_t n = (blk + 1) * bs <= L ? bs : L - blk * bs;
         for (int64_t u = 0; u < n; u++) {
             const float *vt = vb + u * tok_stride;
-            for (int64_t hh = 0; hh < h; hh++) {
-                const float p = scores[hh * L + blk * bs + u];
-                float *oh = out + hh * d;
-                const float *vh = vt + (hh / group) * d;
-                for (int64_t i = 0; i < d; i++) oh[i] += p * vh[i];
+            if (next != NULL)
+                prefetch(next + u * tok_stride, u + 1 < n ? tok_stride : (bs - u) * tok_stride);
+            const float *pt = scores + blk * bs + u;
+            for (int64_t g = 0; g < kvh; g++) {
+                const float *vh = vt + g * d;
+                for (int64_t j = 0; j < group; j++) {
+                    const int64_t hh = g * group + j;
+                    const float p = pt[hh * L];
+                    float *oh = out + hh * d;
+                    for (int64_t i = 0; i < d; i++) oh[i] += p * vh[i];
+                }
             }
         }
     }
+}
+
+static void attend_one(const float *q, const float *k_cache, const float *v_cache,
+                       const int32_t *table, int64_t L, float *out, float *scores,
+                       int64_t h, int64_t kvh, int64_t d, int64_t bs, float scale) {
+    if (d == 64)
+        attend_one_impl(q, k_cache, v_cache, table, L, out, scores, h, kvh, 64, bs, scale);
+    else if (d == 128)
+        attend_one_impl(q, k_cache, v_cache, table, L, out, scores, h, kvh, 128, bs, scale);
+    else
+        attend_one_impl(q, k_cache, v_cache, table, L, out, scores, h, kvh, d, bs, scale);
 }
 
 /* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */

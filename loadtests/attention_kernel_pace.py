@@ -1,0 +1,99 @@
+"""The CPU decode-attention kernel against its source at another revision, side by
+side in one run: `python -m loadtests.attention_kernel_pace --baseline-ref REF`.
+
+Both builds get the same compiler flags (replicas/attention/native_kernels.py) and
+the same inputs: a trained-shape cache (9 query heads over 3 KV heads of 64, blocks
+of 16 tokens) with each sequence's blocks at random places, as a busy cache holds
+them. Rounds alternate between the two builds; each row is the median over rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from replicas.attention import native_kernels
+from replicas.kv_cache.huge_pages import zeros
+
+SOURCE = "replicas/attention/csrc/paged_decode_attention.c"
+
+
+def build_at(ref: str, tmp: Path):
+    """The kernel compiled from its source at git revision `ref`, as a ctypes function."""
+    source = tmp / "baseline.c"
+    source.write_text(subprocess.run(["git", "show", f"{ref}:{SOURCE}"], check=True,
+                                     capture_output=True, text=True).stdout)
+    obj, lib = tmp / "baseline.o", tmp / "baseline.so"
+    cc = native_kernels._compiler()
+    subprocess.run([*cc, *native_kernels.COMPILE_FLAGS, "-c", str(source), "-o", str(obj)], check=True)
+    subprocess.run([*cc, *native_kernels.LINK_FLAGS, str(obj), "-o", str(lib),
+                    *native_kernels.LINK_LIBS], check=True)
+    fn = ctypes.CDLL(str(lib)).paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    return fn
+
+
+def make_case(batch: int, context_len: int, h: int = 9, kvh: int = 3, d: int = 64, bs: int = 16):
+    blocks_per_seq = -(-context_len // bs)
+    num_blocks = batch * blocks_per_seq + 1
+    shape = (num_blocks, bs, kvh, d)
+    k_cache = zeros(shape, torch.float32, torch.device("cpu")).normal_()
+    v_cache = zeros(shape, torch.float32, torch.device("cpu")).normal_()
+    tables = (torch.randperm(num_blocks - 1)[:batch * blocks_per_seq] + 1).view(batch, -1)
+    args = dict(q=torch.randn(batch, h, d), k=k_cache, v=v_cache,
+                tables=tables.to(torch.int32).contiguous(),
+                lens=torch.full((batch,), context_len, dtype=torch.int32),
+                out=torch.empty(batch, h, d))
+    dims = (batch, h, kvh, d, bs, blocks_per_seq)
+    return args, dims
+
+
+def time_call(fn, args, dims, repeats: int = 9) -> float:
+    def call():
+        fn(args["q"].data_ptr(), args["k"].data_ptr(), args["v"].data_ptr(),
+           args["tables"].data_ptr(), args["lens"].data_ptr(), args["out"].data_ptr(), *dims,
+           0.125, torch.get_num_threads())
+    call()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline-ref", required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--context-len", type=int, default=160)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    current, problem = native_kernels.load_paged_decode_attention()
+    if current is None:
+        raise SystemExit(problem)
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline = build_at(args.baseline_ref, Path(tmp))
+        print(f"decode attention, {args.context_len} tokens of context, 9/3 heads of 64, "
+              f"{torch.get_num_threads()} threads; median of {args.rounds} rounds")
+        print("| streams | now, us per layer | at " + args.baseline_ref
+              + ", us per layer | now / then |\n|---|---|---|---|")
+        for batch in args.batches:
+            case, dims = make_case(batch, args.context_len)
+            now, then = [], []
+            for _ in range(args.rounds):
+                now.append(time_call(current, case, dims))
+                then.append(time_call(baseline, case, dims))
+            a, b = statistics.median(now), statistics.median(then)
+            print(f"| {batch} | {a * 1e6:.0f} | {b * 1e6:.0f} | {a / b:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
