@@ -1,5 +1,5 @@
 """The CPU decode-attention kernel against its source at another revision, side by
-side in one run: `python -m loadtests.attention_kernel_pace --baseline-ref REF`.
+side in one run: `python -m loadtests.bench_engine --attention --baseline-ref REF`.
 
 Both builds get the same compiler flags (replicas/attention/native_kernels.py) and
 the same inputs: a trained-shape cache (9 query heads over 3 KV heads of 64, blocks
@@ -8,7 +8,6 @@ them. Rounds alternate between the two builds; each row is the median over round
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import statistics
 import subprocess
@@ -69,31 +68,24 @@ def time_call(fn, args, dims, repeats: int = 9) -> float:
     return statistics.median(samples)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline-ref", required=True)
-    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--context-len", type=int, default=160)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+def report(baseline_ref: str, batches: list[int], context_len: int, rounds: int) -> dict:
     current, problem = native_kernels.load_paged_decode_attention()
     if current is None:
         raise SystemExit(problem)
+    rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        baseline = build_at(args.baseline_ref, Path(tmp))
-        print(f"decode attention, {args.context_len} tokens of context, 9/3 heads of 64, "
-              f"{torch.get_num_threads()} threads; median of {args.rounds} rounds")
-        print("| streams | now, us per layer | at " + args.baseline_ref
-              + ", us per layer | now / then |\n|---|---|---|---|")
-        for batch in args.batches:
-            case, dims = make_case(batch, args.context_len)
+        baseline = build_at(baseline_ref, Path(tmp))
+        print(f"decode attention, {context_len} tokens of context, 9/3 heads of 64, "
+              f"{torch.get_num_threads()} threads; median of {rounds} interleaved rounds")
+        print(f"| streams | now, us per layer | at {baseline_ref}, us per layer | now / then |\n"
+              "|---|---|---|---|")
+        for batch in batches:
+            case, dims = make_case(batch, context_len)
             now, then = [], []
-            for _ in range(args.rounds):
+            for _ in range(rounds):
                 now.append(time_call(current, case, dims))
                 then.append(time_call(baseline, case, dims))
             a, b = statistics.median(now), statistics.median(then)
+            rows[f"{batch} streams"] = {"now_us": a * 1e6, "baseline_us": b * 1e6, "ratio": a / b}
             print(f"| {batch} | {a * 1e6:.0f} | {b * 1e6:.0f} | {a / b:.2f}x |", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return rows

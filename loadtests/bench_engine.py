@@ -22,6 +22,9 @@ ignore_eos, 128-token prompts unless said):
 - `--sampling`: greedy, temperature 1.0, and temperature 1.0 with top-k 50 and top-p 0.9
   on the trained preset (its 49k vocabulary), the sampler alone (beside the
   whole-vocabulary sort) and the engine (loadtests/sampling_pace.py);
+- `--attention`: the CPU decode-attention kernel against its source at `--baseline-ref`
+  on the trained shape's heads, at 64 and 256 streams of 160 tokens of context
+  (loadtests/attention_kernel_pace.py; no model);
 - `--wire`: the per-step wire's encode + decode cost, old lists vs msgspec bytes
   (loadtests/wire_cost.py; no engine, no model).
 - `--structured`: 200 streams, every fourth held to a JSON schema, beside the same
@@ -42,7 +45,8 @@ from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_
                                      run_process_engine, sessions_of)
 from loadtests.metrics import format_table, median_rows, ratio
 
-MODES = ("matrix", "ceiling", "process", "prefix", "wire", "structured", "roofline", "sampling")
+MODES = ("matrix", "ceiling", "process", "prefix", "wire", "structured", "roofline", "sampling",
+         "attention")
 # per mode: models, concurrency, output_len, repeats
 DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "matrix": (["tiny", "small"], [64, 256], 256, 1),
@@ -50,7 +54,8 @@ DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "prefix": (["tiny"], [1, 16], 128, 3), "wire": ([], [], 0, 1),
             "structured": (["tiny"], [200], 128, 3),
             "roofline": (["smollm2-135m"], [64, 256], 64, 1),
-            "sampling": (["smollm2-135m"], [64, 256], 64, 1)}
+            "sampling": (["smollm2-135m"], [64, 256], 64, 1),
+            "attention": ([], [64, 256], 0, 5)}
 TOK_S = ("output_throughput", "tok/s", ".0f")
 TTFT = ("median_ttft_ms", "TTFT p50 ms", ".1f")
 TPOT = [("median_tpot_ms", "TPOT p50 ms", ".2f"), ("p99_tpot_ms", "p99", ".2f")]
@@ -290,6 +295,11 @@ def main(argv: list[str] | None = None) -> dict:
         from loadtests.sampling_pace import report
         result = report(args.models, args.concurrency, args.input_len, args.output_len,
                         args.repeats)
+    elif mode == "attention":
+        from loadtests.attention_kernel_pace import report
+        if args.baseline_ref is None:
+            make_parser().error("--attention needs --baseline-ref REV")
+        result = report(args.baseline_ref, args.concurrency, args.input_len + 32, args.repeats)
     elif mode == "wire":
         from loadtests.wire_cost import report
         result = report(args.num_deltas, args.tokens, args.samples)

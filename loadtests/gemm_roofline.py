@@ -4,19 +4,25 @@ decode throughput as a share of it: `python -m loadtests.bench_engine --roofline
 A decode step of B streams is, for its matrix multiplies, one (B x in) @ (in x out)
 product per linear layer of the model (the packed q/k/v and gate/up projections, o,
 down) times the layers, plus the lm-head's (B x hidden) @ (hidden x vocab). Timing
-`torch.mm` at exactly those shapes, in each dtype, gives the step's GEMM time and so
+each product at exactly those shapes, in each dtype, by `torch.mm` and by the engine's
+oneDNN-packed layer (float32), the faster of the two, gives the step's GEMM time and so
 the tokens per second no engine could beat with these kernels: the **roofline**
 (attention, norms, sampling and Python are all on top of it). The engine's decode
-throughput is B streams over its median time per output token (TPOT), measured by
-the full engine (loadtests/engine_runner.py) on the same machine in the same run.
+throughput is B streams over the engine's step time while all B decode, on the same
+machine in the same run, with that step's time split into GEMMs, attention and the
+rest (loadtests/decode_breakdown.py). Streams over the median TPOT of a run through
+the streaming engine (loadtests/engine_runner.py), printed beside it, also counts the
+prefills a stream waits through after its first token.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
 import torch
 
+from loadtests.decode_breakdown import breakdown
 from loadtests.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
 from loadtests.metrics import format_table
 
@@ -43,35 +49,63 @@ def attention_flops_per_token(config, context_len: int) -> int:
     return 4 * config.num_layers * config.num_heads * config.head_dim * context_len
 
 
-def time_mm(batch: int, k: int, n: int, dtype: torch.dtype, repeats: int = 7) -> float:
-    """Median seconds of one (batch x k) @ (k x n) product."""
-    x = torch.randn(batch, k).to(dtype)
-    w = torch.randn(k, n).to(dtype)
+def _median_s(run, repeats: int = 7) -> float:
     for _ in range(2):
-        torch.mm(x, w)
+        run()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(x, w)
+        run()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
 
+def time_mm(batch: int, k: int, n: int, dtype: torch.dtype) -> float:
+    """Median seconds of one (batch x k) @ (k x n) product by torch.mm."""
+    x, w = torch.randn(batch, k).to(dtype), torch.randn(k, n).to(dtype)
+    return _median_s(lambda: torch.mm(x, w))
+
+
+def time_packed(batch: int, k: int, n: int, dtype: torch.dtype) -> float | None:
+    """Median seconds of the same product by the engine's oneDNN-packed linear layer
+    (float32 on CPU), or None where the engine does not pack."""
+    from replicas.models.packed_linear import PackedLinear, packing_available
+
+    if dtype != torch.float32 or packing_available() is not None:
+        return None
+    layer = PackedLinear(torch.nn.Linear(k, n, bias=False), batch)
+    x = torch.randn(batch, k)
+    with torch.inference_mode():
+        return _median_s(lambda: layer(x))
+
+
 def roofline(config, batch: int, dtype: torch.dtype) -> dict:
-    """The step's GEMM time at `batch` and what it allows."""
-    per_product = {name: time_mm(batch, k, n, dtype) for name, k, n, _ in step_products(config)}
-    step_s = sum(per_product[name] * count for name, _, _, count in step_products(config))
+    """The step's GEMM time at `batch` and what it allows. Each product is timed by
+    torch.mm and by the packed layer the engine runs; the faster one is the limit
+    (packing skips the weight reordering a plain GEMM call does each time)."""
+    products = step_products(config)
+    mm = {name: time_mm(batch, k, n, dtype) for name, k, n, _ in products}
+    packed = {name: time_packed(batch, k, n, dtype) for name, k, n, _ in products}
+    best = {name: min(mm[name], packed[name] or math.inf) for name in mm}
+    step_s = sum(best[name] * count for name, _, _, count in products)
+    mm_step_s = sum(mm[name] * count for name, _, _, count in products)
     flops = matmul_flops_per_token(config) * batch
     return {"gemm_step_ms": step_s * 1e3, "roofline_tok_s": batch / step_s,
-            "gemm_gflops": flops / step_s / 1e9,
-            "lm_head_share": per_product["lm_head"] / step_s}
+            "gemm_gflops": flops / step_s / 1e9, "mm_gflops": flops / mm_step_s / 1e9,
+            "lm_head_share": best["lm_head"] / step_s}
 
 
 def engine_decode(model: str, batch: int, dtype: str, input_len: int, output_len: int) -> dict:
     config = engine_config(model, dtype=dtype, max_num_seqs=max(batch, 1))
     row = run_engine(config, sessions_of(random_prompts(batch, input_len), greedy(output_len)),
                      batch)
-    return {"decode_tok_s": batch * 1000.0 / row["median_tpot_ms"],
+    # NOTE: streams / median TPOT counts the prefills a stream waits through after its
+    # first token; the full-batch step (decode_breakdown) is what the roofline bounds.
+    step = breakdown(model, batch, dtype, input_len)
+    return {"decode_tok_s": step["full_batch_tok_s"], "step_ms": step["step_ms"],
+            "gemm_share": step["gemm_share"], "attention_share": step["attention_share"],
+            "rest_share": step["rest_share"],
+            "tpot_decode_tok_s": batch * 1000.0 / row["median_tpot_ms"],
             "output_throughput": row["output_throughput"], "median_tpot_ms": row["median_tpot_ms"]}
 
 
@@ -99,11 +133,16 @@ def report(models: list[str], batches: list[int], input_len: int, output_len: in
               f"attention at {context} tokens of context); {torch.get_num_threads()} torch "
               f"threads; {input_len} in / {output_len} out, greedy")
         print(format_table(rows, [("gemm_step_ms", "GEMM step ms", ".2f"),
-                                  ("gemm_gflops", "GEMM GFLOP/s", ".1f"),
+                                  ("mm_gflops", "torch.mm GFLOP/s", ".0f"),
+                                  ("gemm_gflops", "best GEMM GFLOP/s", ".0f"),
                                   ("lm_head_share", "lm-head", ".0%"),
                                   ("roofline_tok_s", "roofline tok/s", ".0f"),
                                   ("decode_tok_s", "engine decode tok/s", ".0f"),
                                   ("share_of_roofline", "share", ".0%"),
+                                  ("gemm_share", "step: GEMM", ".0%"),
+                                  ("attention_share", "attention", ".0%"),
+                                  ("rest_share", "rest", ".0%"),
+                                  ("tpot_decode_tok_s", "streams / TPOT", ".0f"),
                                   ("output_throughput", "engine tok/s (with prefill)", ".0f")]),
               flush=True)
     return result
