@@ -31,11 +31,18 @@ def _marked(backend, name: str) -> None:
         setattr(backend, method, wrapped)
 
 
-def breakdown(model: str, batch: int, dtype: str, input_len: int, num_windows: int = 2) -> dict:
+# NOTE: enough output for the prefill's mixed steps and the timed windows, and no more:
+# the cache holds every stream at once (kv_cache_gib), so no stream is preempted
+MAX_TOKENS = 128
+
+
+def breakdown(model: str, batch: int, dtype: str, input_len: int, kv_cache_gib: float,
+              num_windows: int = 2) -> dict:
     engine = Engine(EngineConfig(model=model, dtype=dtype, max_num_seqs=batch,
-                                 max_num_batched_tokens=max(2048, input_len)))
+                                 max_num_batched_tokens=max(2048, input_len),
+                                 kv_cache_gib=kv_cache_gib))
     core = engine.core
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for ids in random_prompts(batch, input_len):
         engine.add_request(ids, params)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in core.requests.values()):

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from loadtests.decode_breakdown import breakdown
+from loadtests.decode_breakdown import MAX_TOKENS, breakdown
 from loadtests.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
 from loadtests.metrics import format_table
 
@@ -95,13 +95,23 @@ def roofline(config, batch: int, dtype: torch.dtype) -> dict:
             "lm_head_share": best["lm_head"] / step_s}
 
 
-def engine_decode(model: str, batch: int, dtype: str, input_len: int, output_len: int) -> dict:
-    config = engine_config(model, dtype=dtype, max_num_seqs=max(batch, 1))
+def kv_cache_gib(config, batch: int, num_tokens: int, dtype: str) -> float:
+    """A cache that holds `batch` streams of `num_tokens` at once (the CPU default, 1 GiB,
+    holds 23k tokens of smollm2-135m in float32: fewer than 256 streams of 160)."""
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    nbytes = per_token * DTYPES[dtype].itemsize * batch * num_tokens
+    return max(1.0, round(1.25 * nbytes / 2**30, 2))
+
+
+def engine_decode(model: str, batch: int, dtype: str, input_len: int, output_len: int,
+                  model_config) -> dict:
+    kv_gib = kv_cache_gib(model_config, batch, input_len + max(output_len, MAX_TOKENS), dtype)
+    config = engine_config(model, dtype=dtype, max_num_seqs=max(batch, 1), kv_cache_gib=kv_gib)
     row = run_engine(config, sessions_of(random_prompts(batch, input_len), greedy(output_len)),
                      batch)
     # NOTE: streams / median TPOT counts the prefills a stream waits through after its
     # first token; the full-batch step (decode_breakdown) is what the roofline bounds.
-    step = breakdown(model, batch, dtype, input_len)
+    step = breakdown(model, batch, dtype, input_len, kv_gib)
     return {"decode_tok_s": step["full_batch_tok_s"], "step_ms": step["step_ms"],
             "gemm_share": step["gemm_share"], "attention_share": step["attention_share"],
             "rest_share": step["rest_share"],
@@ -122,7 +132,7 @@ def report(models: list[str], batches: list[int], input_len: int, output_len: in
         for dtype in dtypes:
             for batch in batches:
                 row = roofline(config, batch, DTYPES[dtype])
-                row.update(engine_decode(model, batch, dtype, input_len, output_len))
+                row.update(engine_decode(model, batch, dtype, input_len, output_len, config))
                 row["share_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
                 rows[f"{dtype}, {batch} streams"] = row
         result[model] = {"matmul_gflop_per_token": matmul_flops_per_token(config) / 1e9,

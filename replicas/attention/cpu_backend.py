@@ -3,8 +3,9 @@
 
 Decode dominates a CPU engine's attention time, and there torch has to copy each
 sequence's scattered blocks into a dense padded tensor first. The kernel takes the
-block tables instead. float32 only; `selector.py` picks this backend on CPUs where
-the kernel builds, and plain torch otherwise.
+block tables instead. Caches of float32 or bfloat16 (q and the output go through
+float32); `selector.py` picks this backend on CPUs where the kernel builds, and
+plain torch otherwise.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self):
-        kernel, problem = load_paged_decode_attention()
+        kernel, problem = load_paged_decode_attention("float32")
         if kernel is None:
             raise RuntimeError(problem)
-        self._kernel = kernel
+        self._kernels = {torch.float32: kernel,
+                         torch.bfloat16: load_paged_decode_attention("bfloat16")[0]}
 
     def _decode_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
@@ -33,13 +35,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # NOTE: the kernel trusts its inputs; these checks (shapes, dtypes, lengths
         # within the table, block ids within the cache) keep a bad call from reading
         # outside the cache. A row's table must hold its blocks: padding is block 0.
-        if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
-            raise TypeError("the cpu attention backend runs float32 only")
+        kernel = self._kernels.get(k_cache.dtype)
+        if kernel is None or v_cache.dtype != k_cache.dtype or q.dtype != k_cache.dtype:
+            raise TypeError("the cpu attention backend runs float32 or bfloat16 caches, with "
+                            f"q of the same dtype; got q {q.dtype}, caches {k_cache.dtype}, "
+                            f"{v_cache.dtype}")
         if dk != d or h % kvh or block_tables.shape[0] != B or seq_lens.shape[0] != B:
             raise ValueError("decode attention got inconsistent shapes")
         if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("decode attention needs contiguous output and caches")
-        q = q.contiguous()
+        q = q.float().contiguous()  # NOTE: (B, h, d): small beside the cache it reads
+        result = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         width = tables.shape[1]
@@ -48,8 +54,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ValueError("a decode sequence length is outside its block table")
         if B and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
             raise ValueError(f"a block id is outside the cache's {num_blocks} blocks")
-        rc = self._kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                          lens.data_ptr(), out.data_ptr(), B, h, kvh, d, bs, width, scale,
-                          torch.get_num_threads())
+        rc = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                    lens.data_ptr(), result.data_ptr(), B, h, kvh, d, bs, width, scale,
+                    torch.get_num_threads())
         if rc != 0:
             raise MemoryError("decode attention could not allocate its scratch memory")
+        if result is not out:
+            out.copy_(result)

@@ -127,13 +127,20 @@ def build(name: str, cache_dir: Path | None = None) -> Path:
     return out
 
 
-def load_paged_decode_attention():
-    """(ctypes function, None), or (None, why it is unavailable). Cached per process."""
+def load_paged_decode_attention(kv_dtype: str = "float32"):
+    """(ctypes function, None) for caches of `kv_dtype` ("float32" or "bfloat16"), or
+    (None, why it is unavailable). The library is loaded once per process."""
     name = "paged_decode_attention"
     with _lock:
         if name not in _loaded:
             _loaded[name] = _load(name)
-        return _loaded[name]
+        lib, problem = _loaded[name]
+    if lib is None:
+        return None, problem
+    fn = getattr(lib, {"float32": name, "bfloat16": f"{name}_bf16"}[kv_dtype])
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    return fn, None
 
 
 _OPENMP_LIBS = ("libgomp", "libomp", "libiomp")
@@ -161,10 +168,7 @@ def _load(name: str):
         return None, (f"the {name} kernel brought a second OpenMP runtime ({', '.join(sorted(added))}) "
                       f"beside torch's ({', '.join(sorted(before))}); set CC to the compiler "
                       f"whose OpenMP torch uses (gcc for libgomp)")
-    fn = getattr(lib, name)
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-    return fn, None
+    return lib, None
 
 
 def _load_private_build(name: str) -> ctypes.CDLL:

@@ -2,7 +2,7 @@
 
 `auto`: flash-attn when it imports, on CUDA, fp16/bf16 and a block size that is a
 multiple of 256; else Triton when it imports and the device is CUDA; on CPU with
-float32, the cpu backend when its C kernel builds; else torch.
+float32 or bfloat16, the cpu backend when its C kernel builds; else torch.
 An explicit name forces that backend or raises ValueError saying why it cannot run.
 Backends import lazily, so this module loads on machines with neither flash-attn
 nor triton.
@@ -51,8 +51,8 @@ def why_backend_cannot_run(name: str, device: torch.device, dtype: torch.dtype,
     if name == "cpu":
         if device.type != "cpu":
             return f"it runs on CPU only, got {device.type!r}"
-        if dtype != torch.float32:
-            return f"it runs float32 only, got {dtype}"
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"it runs float32 and bfloat16 only, got {dtype}"
         from replicas.attention.native_kernels import load_paged_decode_attention
         return load_paged_decode_attention()[1]
     if name == "triton":
@@ -90,7 +90,7 @@ def _auto_choice(device: torch.device, dtype: torch.dtype, block_size: int) -> t
     if device.type == "cpu":
         problem = why_backend_cannot_run("cpu", device, dtype, block_size)
         if problem is None:
-            return "cpu", "auto: " + "; ".join(skipped + ["cpu fits (float32, its kernel builds)"])
+            return "cpu", "auto: " + "; ".join(skipped + ["cpu fits (float32 or bfloat16, its kernel builds)"])
         skipped.append(f"not cpu: {problem}")
     return "torch", "auto: " + "; ".join(skipped)
 

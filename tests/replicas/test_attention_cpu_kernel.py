@@ -72,6 +72,20 @@ def test_decode_matches_the_torch_backend(h, kvh, d, bs):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("h,kvh,d,bs", [(9, 3, 64, 16), (4, 2, 128, 16), (6, 3, 16, 32)])
+def test_bfloat16_caches_match_the_torch_backend_in_float32(h, kvh, d, bs):
+    """A bfloat16 cache's values widen exactly to float32, so the kernel over it equals
+    float32 attention over the same (rounded) values; q and out round to bfloat16."""
+    lens = [1, bs - 1, bs + 1, 3 * bs, 5 * bs + 7]
+    q, k_cache, v_cache, meta = _decode_case(len(lens), h, kvh, d, bs, lens)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    scale = d ** -0.5
+    ref = TorchAttentionBackend().forward(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    got = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, scale)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref.bfloat16().float(), atol=1e-2, rtol=1e-2)
+
+
 def test_mixed_prefill_and_decode_matches_the_torch_backend():
     from replicas.attention.base import AttentionMetadata
     bs, h, kvh, d = 16, 4, 2, 32
@@ -193,9 +207,10 @@ def test_the_kernel_is_loaded_and_called_and_shares_torchs_openmp_runtime(monkey
     assert library == str(build(KERNEL))
     # the backend calls it for decode
     backend = CpuAttentionBackend()
-    assert backend._kernel is kernel
+    assert backend._kernels[torch.float32] is kernel
     calls = []
-    monkeypatch.setattr(backend, "_kernel", lambda *args: calls.append(args) or kernel(*args))
+    monkeypatch.setitem(backend._kernels, torch.float32,
+                        lambda *args: calls.append(args) or kernel(*args))
     q, k_cache, v_cache, meta = _decode_case(3, 4, 2, 16, 16, [5, 17, 40])
     got = backend.forward(q, k_cache, v_cache, meta, 0.25)
     assert len(calls) == 1

@@ -28,19 +28,20 @@ def test_auto_picks_the_cpu_kernel_for_float32_on_cpu_and_logs_why(caplog):
     assert "not flash-attn" in logged and "not triton" in logged
 
 
-def test_auto_picks_torch_on_cpu_for_bfloat16_and_logs_why(caplog):
+def test_auto_picks_cpu_for_bfloat16_and_torch_for_float16_and_logs_why(caplog):
+    assert select_attention_backend("auto", CPU, torch.bfloat16, 16).name == "cpu"
     with caplog.at_level(logging.INFO, logger="stepstream"):
-        backend = select_attention_backend("auto", CPU, torch.bfloat16, 256)
+        backend = select_attention_backend("auto", CPU, torch.float16, 256)
     assert backend.name == "torch"
     assert type(backend).__name__ == "TorchAttentionBackend"
     logged = " ".join(r.getMessage() for r in caplog.records if r.name == "stepstream")
-    assert "not cpu: it runs float32 only" in logged
+    assert "not cpu: it runs float32 and bfloat16 only" in logged
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch, caplog):
     from replicas.attention import native_kernels
     monkeypatch.setattr(native_kernels, "load_paged_decode_attention",
-                        lambda: (None, "no C compiler found"))
+                        lambda kv_dtype="float32": (None, "no C compiler found"))
     with caplog.at_level(logging.INFO, logger="stepstream"):
         assert select_attention_backend("auto", CPU, torch.float32, 16).name == "torch"
     assert "no C compiler found" in " ".join(r.getMessage() for r in caplog.records)

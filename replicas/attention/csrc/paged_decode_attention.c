@@ -3,13 +3,15 @@
  * One query token per sequence attends to its first seq_lens[b] cached tokens; a
  * row of length 0 (padding of a fixed-size batch) reads nothing and gets zeros.
  * Layout as in replicas/attention/base.py: caches are (num_blocks, block_size,
- * num_kv_heads, head_dim) float32; q and out are (B, num_heads, head_dim).
+ * num_kv_heads, head_dim), float32 (paged_decode_attention) or bfloat16
+ * (paged_decode_attention_bf16); q and out are (B, num_heads, head_dim) float32.
  *
  * Why a kernel: torch needs the scattered blocks gathered into a dense padded copy
  * before SDPA can run, and that copy costs more memory traffic than the attention
  * itself. Here each sequence's blocks are read in place, once for K and once for
  * V, each whole block (all KV heads) at a time, with the next block prefetched,
  * since blocks sit at random places and the hardware prefetcher cannot guess them.
+ * A bfloat16 cache halves that traffic; its values widen to float32 as they load.
  *
  * One parallel task per sequence; the softmax is exact (max-subtracted, float32
  * accumulation), as SDPA computes it.
@@ -19,45 +21,56 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline void prefetch(const float *p, int64_t num_floats) {
-    for (int64_t i = 0; i < num_floats; i += 16)  /* 16 floats: one 64-byte line */
+static inline void prefetch(const char *p, int64_t num_bytes) {
+    for (int64_t i = 0; i < num_bytes; i += 64)  /* one cache line */
         __builtin_prefetch(p + i, 0, 3);
 }
 
-/* NOTE: always inlined into the head sizes below, so that with d a compile-time
- * constant the compiler unrolls the head_dim loops into whole vector registers.
- * Heads are walked by KV group (each group's q heads read one K/V row), with no
- * division in the loops. */
+/* Element i of a cache row, as float32; `bf16` is a compile-time constant below. */
+static inline __attribute__((always_inline)) float kv_at(const char *row, int64_t i,
+                                                         const int bf16) {
+    if (bf16) {
+        union { uint32_t u; float f; } x;
+        x.u = (uint32_t)((const uint16_t *)row)[i] << 16;
+        return x.f;
+    }
+    return ((const float *)row)[i];
+}
+
+/* NOTE: always inlined into the (element type, head size) pairs below, so that with
+ * both compile-time constants the compiler unrolls the head_dim loops into whole
+ * vector registers. Heads are walked by KV group (each group's q heads read one K/V
+ * row), with no division in the loops. Offsets are in bytes (elem = 2 or 4). */
 static inline __attribute__((always_inline)) void attend_one_impl(
-        const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+        const float *restrict q, const char *restrict k_cache, const char *restrict v_cache,
         const int32_t *restrict table, int64_t L, float *restrict out, float *restrict scores,
-        int64_t h, int64_t kvh, const int64_t d,
-        int64_t bs, float scale) {
+        int64_t h, int64_t kvh, const int64_t d, int64_t bs, float scale, const int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
     const int64_t group = h / kvh;
-    const int64_t tok_stride = kvh * d;
-    const int64_t block_stride = bs * tok_stride;
+    const int64_t tok_bytes = kvh * d * elem;
+    const int64_t block_bytes = bs * tok_bytes;
     const int64_t num_blocks = (L + bs - 1) / bs;
 
-    prefetch(k_cache + (int64_t)table[0] * block_stride, block_stride);
+    prefetch(k_cache + (int64_t)table[0] * block_bytes, block_bytes);
     for (int64_t blk = 0; blk < num_blocks; blk++) {
-        const float *kb = k_cache + (int64_t)table[blk] * block_stride;
+        const char *kb = k_cache + (int64_t)table[blk] * block_bytes;
         /* NOTE: the next block (or the first V block) is prefetched a token's rows
          * at a time, spread over this block's tokens: a whole block at once
          * overflows the prefetch queue, which then drops most of it */
-        const float *next = blk + 1 < num_blocks ? k_cache + (int64_t)table[blk + 1] * block_stride
-                                                 : v_cache + (int64_t)table[0] * block_stride;
+        const char *next = blk + 1 < num_blocks ? k_cache + (int64_t)table[blk + 1] * block_bytes
+                                                : v_cache + (int64_t)table[0] * block_bytes;
         const int64_t n = (blk + 1) * bs <= L ? bs : L - blk * bs;
         for (int64_t u = 0; u < n; u++) {
-            const float *kt = kb + u * tok_stride;
-            prefetch(next + u * tok_stride, u + 1 < n ? tok_stride : (bs - u) * tok_stride);
+            const char *kt = kb + u * tok_bytes;
+            prefetch(next + u * tok_bytes, u + 1 < n ? tok_bytes : (bs - u) * tok_bytes);
             float *st = scores + blk * bs + u;
             for (int64_t g = 0; g < kvh; g++) {
-                const float *kh = kt + g * d;
+                const char *kh = kt + g * d * elem;
                 for (int64_t j = 0; j < group; j++) {
                     const int64_t hh = g * group + j;
                     const float *qh = q + hh * d;
                     float acc = 0.f;
-                    for (int64_t i = 0; i < d; i++) acc += qh[i] * kh[i];
+                    for (int64_t i = 0; i < d; i++) acc += qh[i] * kv_at(kh, i, bf16);
                     st[hh * L] = acc * scale;
                 }
             }
@@ -74,44 +87,53 @@ static inline __attribute__((always_inline)) void attend_one_impl(
     }
     memset(out, 0, sizeof(float) * h * d);
     for (int64_t blk = 0; blk < num_blocks; blk++) {
-        const float *vb = v_cache + (int64_t)table[blk] * block_stride;
-        const float *next = blk + 1 < num_blocks ? v_cache + (int64_t)table[blk + 1] * block_stride
-                                                 : NULL;
+        const char *vb = v_cache + (int64_t)table[blk] * block_bytes;
+        const char *next = blk + 1 < num_blocks ? v_cache + (int64_t)table[blk + 1] * block_bytes
+                                                : NULL;
         const int64_t n = (blk + 1) * bs <= L ? bs : L - blk * bs;
         for (int64_t u = 0; u < n; u++) {
-            const float *vt = vb + u * tok_stride;
+            const char *vt = vb + u * tok_bytes;
             if (next != NULL)
-                prefetch(next + u * tok_stride, u + 1 < n ? tok_stride : (bs - u) * tok_stride);
+                prefetch(next + u * tok_bytes, u + 1 < n ? tok_bytes : (bs - u) * tok_bytes);
             const float *pt = scores + blk * bs + u;
             for (int64_t g = 0; g < kvh; g++) {
-                const float *vh = vt + g * d;
+                const char *vh = vt + g * d * elem;
                 for (int64_t j = 0; j < group; j++) {
                     const int64_t hh = g * group + j;
                     const float p = pt[hh * L];
                     float *oh = out + hh * d;
-                    for (int64_t i = 0; i < d; i++) oh[i] += p * vh[i];
+                    for (int64_t i = 0; i < d; i++) oh[i] += p * kv_at(vh, i, bf16);
                 }
             }
         }
     }
 }
 
-static void attend_one(const float *q, const float *k_cache, const float *v_cache,
-                       const int32_t *table, int64_t L, float *out, float *scores,
-                       int64_t h, int64_t kvh, int64_t d, int64_t bs, float scale) {
-    if (d == 64)
-        attend_one_impl(q, k_cache, v_cache, table, L, out, scores, h, kvh, 64, bs, scale);
-    else if (d == 128)
-        attend_one_impl(q, k_cache, v_cache, table, L, out, scores, h, kvh, 128, bs, scale);
-    else
-        attend_one_impl(q, k_cache, v_cache, table, L, out, scores, h, kvh, d, bs, scale);
-}
+#define ATTEND_ONE(NAME, BF16)                                                              \
+    static void NAME(const float *q, const char *k_cache, const char *v_cache,              \
+                     const int32_t *table, int64_t L, float *out, float *scores, int64_t h, \
+                     int64_t kvh, int64_t d, int64_t bs, float scale) {                     \
+        if (d == 64)                                                                        \
+            attend_one_impl(q, k_cache, v_cache, table, L, out, scores, h, kvh, 64, bs,     \
+                            scale, BF16);                                                   \
+        else if (d == 128)                                                                  \
+            attend_one_impl(q, k_cache, v_cache, table, L, out, scores, h, kvh, 128, bs,    \
+                            scale, BF16);                                                   \
+        else                                                                                \
+            attend_one_impl(q, k_cache, v_cache, table, L, out, scores, h, kvh, d, bs,      \
+                            scale, BF16);                                                   \
+    }
+ATTEND_ONE(attend_one_f32, 0)
+ATTEND_ONE(attend_one_bf16, 1)
+
+typedef void (*attend_fn)(const float *, const char *, const char *, const int32_t *, int64_t,
+                          float *, float *, int64_t, int64_t, int64_t, int64_t, float);
 
 /* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
-int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                           const int32_t *block_tables, const int32_t *seq_lens, float *out,
-                           int64_t B, int64_t h, int64_t kvh, int64_t d, int64_t bs,
-                           int64_t table_width, float scale, int num_threads) {
+static int run(attend_fn attend, const float *q, const char *k_cache, const char *v_cache,
+               const int32_t *block_tables, const int32_t *seq_lens, float *out, int64_t B,
+               int64_t h, int64_t kvh, int64_t d, int64_t bs, int64_t table_width, float scale,
+               int num_threads) {
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
@@ -130,10 +152,26 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
                 scores = malloc(sizeof(float) * capacity);
                 if (scores == NULL) { capacity = 0; failed = 1; continue; }
             }
-            attend_one(q + b * h * d, k_cache, v_cache, block_tables + b * table_width, L,
-                       out + b * h * d, scores, h, kvh, d, bs, scale);
+            attend(q + b * h * d, k_cache, v_cache, block_tables + b * table_width, L,
+                   out + b * h * d, scores, h, kvh, d, bs, scale);
         }
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                           const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                           int64_t B, int64_t h, int64_t kvh, int64_t d, int64_t bs,
+                           int64_t table_width, float scale, int num_threads) {
+    return run(attend_one_f32, q, (const char *)k_cache, (const char *)v_cache, block_tables,
+               seq_lens, out, B, h, kvh, d, bs, table_width, scale, num_threads);
+}
+
+int paged_decode_attention_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                                int64_t B, int64_t h, int64_t kvh, int64_t d, int64_t bs,
+                                int64_t table_width, float scale, int num_threads) {
+    return run(attend_one_bf16, q, (const char *)k_cache, (const char *)v_cache, block_tables,
+               seq_lens, out, B, h, kvh, d, bs, table_width, scale, num_threads);
 }
