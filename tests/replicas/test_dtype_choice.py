@@ -1,4 +1,5 @@
-"""dtype auto: float32 on CPU (the fast CPU path is float32 only), the checkpoint's
+"""dtype auto: float32 on CPU (what parity holds exact; explicit bfloat16 runs, said in
+the log), the checkpoint's
 dtype on CUDA (float16 for bfloat16 on GPUs without it)."""
 import json
 import logging
@@ -47,10 +48,19 @@ def test_explicit_bfloat16_on_a_cpu_without_it_is_kept_with_a_warning(tmp_path, 
     assert "several times slower than float32" in caplog.text
 
 
-def test_explicit_bfloat16_on_a_cpu_with_it_is_kept_with_a_warning(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="stepstream"):
+def test_explicit_bfloat16_on_a_cpu_with_it_is_kept_and_says_auto_picks_float32(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="stepstream"):
         dtype, why = resolve_dtype("bfloat16", "cpu", _checkpoint(tmp_path, "bfloat16"), NATIVE_BF16)
-    assert dtype == "bfloat16" and "slower than float32" in why
+    assert dtype == "bfloat16" and "native bfloat16" in why
+    assert "dtype auto picks float32" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_explicit_float16_on_a_cpu_is_kept_with_a_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="stepstream"):
+        dtype, why = resolve_dtype("float16", "cpu", _checkpoint(tmp_path, "float16"),
+                                   {"avx512_fp16"})
+    assert dtype == "float16" and "slower than float32" in why
     assert "dtype auto would pick float32" in caplog.text
 
 
