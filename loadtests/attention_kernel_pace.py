@@ -12,13 +12,12 @@ import ctypes
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from loadtests.gemm_roofline import median_seconds
 from replicas.attention import native_kernels
-from replicas.kv_cache.huge_pages import zeros
 
 SOURCE = "replicas/attention/csrc/paged_decode_attention.c"
 
@@ -43,8 +42,7 @@ def make_case(batch: int, context_len: int, h: int = 9, kvh: int = 3, d: int = 6
     blocks_per_seq = -(-context_len // bs)
     num_blocks = batch * blocks_per_seq + 1
     shape = (num_blocks, bs, kvh, d)
-    k_cache = zeros(shape, torch.float32, torch.device("cpu")).normal_()
-    v_cache = zeros(shape, torch.float32, torch.device("cpu")).normal_()
+    k_cache, v_cache = torch.randn(shape), torch.randn(shape)
     tables = (torch.randperm(num_blocks - 1)[:batch * blocks_per_seq] + 1).view(batch, -1)
     args = dict(q=torch.randn(batch, h, d), k=k_cache, v=v_cache,
                 tables=tables.to(torch.int32).contiguous(),
@@ -54,18 +52,11 @@ def make_case(batch: int, context_len: int, h: int = 9, kvh: int = 3, d: int = 6
     return args, dims
 
 
-def time_call(fn, args, dims, repeats: int = 9) -> float:
-    def call():
-        fn(args["q"].data_ptr(), args["k"].data_ptr(), args["v"].data_ptr(),
-           args["tables"].data_ptr(), args["lens"].data_ptr(), args["out"].data_ptr(), *dims,
-           0.125, torch.get_num_threads())
-    call()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+def time_call(fn, args, dims) -> float:
+    return median_seconds(lambda: fn(
+        args["q"].data_ptr(), args["k"].data_ptr(), args["v"].data_ptr(),
+        args["tables"].data_ptr(), args["lens"].data_ptr(), args["out"].data_ptr(), *dims,
+        0.125, torch.get_num_threads()), repeats=9)
 
 
 def report(baseline_ref: str, batches: list[int], context_len: int, rounds: int) -> dict:

@@ -49,7 +49,8 @@ def attention_flops_per_token(config, context_len: int) -> int:
     return 4 * config.num_layers * config.num_heads * config.head_dim * context_len
 
 
-def _median_s(run, repeats: int = 7) -> float:
+def median_seconds(run, repeats: int = 7) -> float:
+    """Median wall time of `run()` over `repeats` calls, after two untimed ones."""
     for _ in range(2):
         run()
     samples = []
@@ -63,7 +64,7 @@ def _median_s(run, repeats: int = 7) -> float:
 def time_mm(batch: int, k: int, n: int, dtype: torch.dtype) -> float:
     """Median seconds of one (batch x k) @ (k x n) product by torch.mm."""
     x, w = torch.randn(batch, k).to(dtype), torch.randn(k, n).to(dtype)
-    return _median_s(lambda: torch.mm(x, w))
+    return median_seconds(lambda: torch.mm(x, w))
 
 
 def time_packed(batch: int, k: int, n: int, dtype: torch.dtype) -> float | None:
@@ -76,7 +77,7 @@ def time_packed(batch: int, k: int, n: int, dtype: torch.dtype) -> float | None:
     layer = PackedLinear(torch.nn.Linear(k, n, bias=False), batch)
     x = torch.randn(batch, k)
     with torch.inference_mode():
-        return _median_s(lambda: layer(x))
+        return median_seconds(lambda: layer(x))
 
 
 def roofline(config, batch: int, dtype: torch.dtype) -> dict:

@@ -22,7 +22,6 @@ import torch
 
 from replicas.attention.base import AttentionBackend, AttentionMetadata
 from replicas.config import EngineConfig
-from replicas.kv_cache import huge_pages
 from replicas.kv_cache.kv_budget import DeviceMemory
 from replicas.models.model_config import ModelConfig
 
@@ -35,9 +34,9 @@ def allocate_kv_caches(num_blocks: int, block_size: int, model_config: ModelConf
     mc = model_config
     shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
     # NOTE: zeros, not empty: masked-out slots still meet the softmax weights,
-    # and 0 * NaN garbage would poison the output. On huge pages where the OS
-    # offers them: decode reads scattered blocks, and 4 KB pages miss the TLB.
-    return [(huge_pages.zeros(shape, dtype, device), huge_pages.zeros(shape, dtype, device))
+    # and 0 * NaN garbage would poison the output.
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(mc.num_layers)]
 
 
