@@ -3,7 +3,8 @@ HAProxy to the ingress replica), on a machine slowed by a busy loop on one core:
 the streams already running complete (never stalled as long as a queue timeout),
 every request let in completes and gets
 its first token within 2 s of its admission at the median (the ingress's
-`Server-Timing`),
+`Server-Timing`; on a machine slower than the one that bound was set on, by the
+ratio of the same burst's intake without the engine),
 and the rest get 429 + Retry-After without waiting for a slot, from the ingress's
 own gate (cluster/api/pending_gate.py), before their body is read.
 
@@ -51,6 +52,11 @@ RUNNING_LEAD_S = 1.5  # the running streams start this long before the burst
 INTAKE_FACTOR = 3.0
 PROMPT_REPEATS = 16  # about 120 tokens a prompt: a burst of real prompts
 ADMITTED_TTFT_BOUND_S = 2.0
+# NOTE: the 2 s bound is for a machine on which the same burst answered without the
+# engine takes at most this long at the median (the one the bound was set on: 10 s);
+# on a slower one it grows by that ratio, as every wait here does (a CI machine ran
+# every lane 2-3x slower). Without the gate the median was 3.9 s at 10 s of intake.
+REFERENCE_INTAKE_S = 10.0
 INGRESS_REFUSAL = "ingress_max_pending_requests"  # in the gate's 429 message
 
 
@@ -168,7 +174,9 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     # other lanes a few admitted requests waited longer (the refusals' own HTTP work for
     # hundreds of connections shares the ingress's event loop with them); without the
     # gate the median was 3.9 s.
-    assert _median(ttfts) < ADMITTED_TTFT_BOUND_S, sorted(ttfts)
+    ttft_bound_s = ADMITTED_TTFT_BOUND_S * max(1.0, _median(intake_s) / REFERENCE_INTAKE_S)
+    print(f"admitted first-token bound on this machine: {ttft_bound_s:.2f} s")
+    assert _median(ttfts) < ttft_bound_s, sorted(ttfts)
     # Refused before the expensive work: by the ingress's gate, not by an engine
     # after being parsed, tokenized and routed (without the gate: none of them). The
     # gate counts requests without a first token; the engines' bound counts the
