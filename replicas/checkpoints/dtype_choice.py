@@ -5,8 +5,8 @@ parity tests hold exact against transformers, and where half precision is emulat
 it is several times slower. With native bfloat16 instructions, an explicit bfloat16
 runs the decode attention kernel over a bfloat16 cache and bfloat16 GEMMs (the
 oneDNN-packed linear layers are float32 only), and decodes the trained preset's
-shape 1.4-1.7x faster than float32 on such a CPU (docs/performance.md); its tokens
-are not bit-identical to float32's. On CUDA `auto` takes
+shape faster than float32 on such a CPU (docs/performance.md); its tokens are not
+bit-identical to float32's. On CUDA `auto` takes
 the checkpoint's own dtype (`torch_dtype`, or `dtype` as transformers 5 writes it),
 as float16 for a bfloat16 checkpoint on GPUs without bfloat16 (before compute
 capability 8.0). An explicit half-precision dtype on a CPU is honoured, with a
