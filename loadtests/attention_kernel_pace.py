@@ -19,23 +19,18 @@ import torch
 from loadtests.gemm_roofline import median_seconds
 from replicas.attention import native_kernels
 
-SOURCE = "replicas/attention/csrc/paged_decode_attention.c"
+KERNEL = "paged_decode_attention"
+SOURCE = f"replicas/attention/csrc/{KERNEL}.c"
 
 
 def build_at(ref: str, tmp: Path):
-    """The kernel compiled from its source at git revision `ref`, as a ctypes function."""
+    """The kernel compiled from its source at git revision `ref`, as a ctypes function
+    (built into `tmp`, a private directory, the way the engine builds its own)."""
     source = tmp / "baseline.c"
     source.write_text(subprocess.run(["git", "show", f"{ref}:{SOURCE}"], check=True,
                                      capture_output=True, text=True).stdout)
-    obj, lib = tmp / "baseline.o", tmp / "baseline.so"
-    cc = native_kernels._compiler()
-    subprocess.run([*cc, *native_kernels.COMPILE_FLAGS, "-c", str(source), "-o", str(obj)], check=True)
-    subprocess.run([*cc, *native_kernels.LINK_FLAGS, str(obj), "-o", str(lib),
-                    *native_kernels.LINK_LIBS], check=True)
-    fn = ctypes.CDLL(str(lib)).paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-    return fn
+    lib = ctypes.CDLL(str(native_kernels.build(KERNEL, tmp, source)))
+    return native_kernels.decode_attention_function(lib, KERNEL)
 
 
 def make_case(batch: int, context_len: int, h: int = 9, kvh: int = 3, d: int = 64, bs: int = 16):

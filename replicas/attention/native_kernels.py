@@ -84,15 +84,16 @@ def _compiler_version(cc: list[str]) -> str:
         return "unknown"
 
 
-def build(name: str, cache_dir: Path | None = None) -> Path:
-    """Compile `csrc/<name>.c` (cached in `cache_dir`, default `kernel_cache_dir()`)
-    and return the shared library's path.
+def build(name: str, cache_dir: Path | None = None, source: Path | None = None) -> Path:
+    """Compile `csrc/<name>.c`, or `source` (another revision of it, for benchmarks),
+    cached in `cache_dir` (default `kernel_cache_dir()`), and return the shared
+    library's path.
 
     Raises RuntimeError with the compiler's message when it cannot be built, and
     UntrustedPath (a RuntimeError) when `cache_dir` is not private. A cached file
     that is not private is built again over.
     """
-    source = CSRC_DIR / f"{name}.c"
+    source = source or CSRC_DIR / f"{name}.c"
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
@@ -137,10 +138,15 @@ def load_paged_decode_attention(kv_dtype: str = "float32"):
         lib, problem = _loaded[name]
     if lib is None:
         return None, problem
-    fn = getattr(lib, {"float32": name, "bfloat16": f"{name}_bf16"}[kv_dtype])
+    return decode_attention_function(lib, {"float32": name, "bfloat16": f"{name}_bf16"}[kv_dtype]), None
+
+
+def decode_attention_function(lib: ctypes.CDLL, symbol: str):
+    """`symbol` of a loaded decode-attention library, with its C signature."""
+    fn = getattr(lib, symbol)
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-    return fn, None
+    return fn
 
 
 _OPENMP_LIBS = ("libgomp", "libomp", "libiomp")
