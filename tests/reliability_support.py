@@ -60,9 +60,11 @@ def is_openai_error(body: dict) -> bool:
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict,
                          headers: dict | None = None,
-                         hang_up_after_events: int | None = None) -> StreamResult:
+                         hang_up_after_events: int | None = None,
+                         first_event: asyncio.Event | None = None) -> StreamResult:
     """POST and read the SSE answer; hang up after `hang_up_after_events` data events
-    (closing the response closes its connection mid-stream)."""
+    (closing the response closes its connection mid-stream); `first_event` is set once
+    the first data event arrived."""
     async with client.stream("POST", url, json=body, headers=headers) as r:
         result = StreamResult(r.status_code, dict(r.headers))
         if r.status_code != 200 or not r.headers.get("content-type", "").startswith(
@@ -75,6 +77,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict,
             now = time.monotonic()
             result.event_times.extend(now for _ in range(len(result.events)
                                                          - len(result.event_times)))
+            if first_event is not None and result.events:
+                first_event.set()
             if hang_up_after_events is not None and len(result.events) >= hang_up_after_events:
                 result.disconnected = True
                 return result

@@ -3,6 +3,7 @@ and a whole engine run with it against one on plain torch. Where the kernel buil
 it is loaded and called (no silent fall back to torch), on torch's OpenMP runtime;
 a cached build is loaded without compiling; only a private build is loaded."""
 import ctypes
+import functools
 import os
 import re
 import shlex
@@ -17,7 +18,7 @@ from replicas.attention.base import AttentionMetadata
 from replicas.attention.cpu_backend import CpuAttentionBackend
 from replicas.attention.native_kernels import (build, kernel_cache_dir, load_paged_decode_attention,
                                                openmp_runtimes)
-from replicas.attention.private_files import UntrustedPath
+from replicas.attention.private_files import UntrustedPath, make_private_dir
 from replicas.attention.torch_backend import TorchAttentionBackend
 
 KERNEL = "paged_decode_attention"
@@ -235,11 +236,19 @@ int paged_decode_attention(void) { return -1; }
 """
 
 
+@functools.cache
+def _kernel_file_name() -> str:
+    """The file name this machine's build of the kernel has in any cache."""
+    return build(KERNEL).name
+
+
 def _plant(tmp_path, monkeypatch, at=None):
     """A cache under tmp_path whose kernel file (or `at`) is a planted library, owned by
     us and mode 0o755: (the kernel's path in the cache, the marker loading writes)."""
+    name = _kernel_file_name()  # NOTE: from the default cache: one compile per process
     monkeypatch.setenv("STEPSTREAM_CACHE", str(tmp_path / "cache"))
-    path = build(KERNEL)
+    make_private_dir(kernel_cache_dir())
+    path = kernel_cache_dir() / name
     marker = tmp_path / "planted-code-ran"
     source = tmp_path / "planted.c"
     source.write_text(PLANTED_C)
@@ -296,7 +305,7 @@ def test_a_cached_kernel_file_others_could_have_written_is_built_again(tmp_path,
     at = tmp_path / "elsewhere.so" if how == "a link" else None
     path, marker = _plant(tmp_path, monkeypatch, at=at)
     if how == "a link":
-        path.unlink()
+        path.unlink(missing_ok=True)
         path.symlink_to(at)
     elif how == "not ours":
         _not_ours(monkeypatch, path, is_dir=False)
