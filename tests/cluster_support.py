@@ -73,19 +73,6 @@ def serve_app(app_args: dict, system_config: dict | None = None):
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
-        _wait_serve_actors_gone()
-
-
-def _wait_serve_actors_gone(timeout_s: float = 60.0) -> None:
-    """Until Serve's named actors (controller, proxies, replicas) are gone.
-
-    NOTE: serve.shutdown can return while the old controller still kills its
-    proxies; on a busy machine it once killed the proxy a next module's serve.start
-    had just made under the same per-node name."""
-    import ray
-
-    wait_until(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
-                            if a.get("namespace") == "serve"], timeout_s, 0.2)
 
 
 def _start_serve_on_a_free_port(port: int, num_tries: int = 3, **start_options) -> int:

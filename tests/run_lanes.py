@@ -1,21 +1,19 @@
-"""`make test`: the whole suite as four pytest processes at once:
+"""`make test`: the whole suite as three pytest processes at once:
 
 - "no Ray": every test that starts no Ray (torch work mostly), at a lower CPU
   priority (nice 10);
-- "Ray": the tests that serve on the local Ray that consecutive modules share in
-  the pytest process, one module after another;
-- "lifecycle": the tests that wait on replicas or processes stopping, starting or
-  dying (drains, scale-ups, lost nodes, a launcher's signals: marker `lifecycle`)
-  and those that start a Ray of their own (marker `own_ray`), on a Ray of this
-  lane's own; its HAProxy (a launcher's front door) takes other stats and metrics
-  ports than the default ones;
-- "front door": the other tests that start Ray in a process of its own (the
-  launcher, a docs shell running `ray start`): HAProxy binds fixed ports (its stats
-  and metrics pages), so these run one after another (marker `front_door`).
+- "Ray": every test that runs Ray in the pytest process (one local Ray that
+  consecutive modules share, or `ray.cluster_utils` nodes), one module after
+  another;
+- "front door": every test that starts Ray in a process of its own (the launcher,
+  a docs shell running `ray start`): HAProxy binds fixed ports (its stats and
+  metrics pages), so these run one after another too (marker `front_door`); and,
+  to even the two Ray lanes out, the few tests that start a Ray of their own in
+  the pytest process (marker `own_ray`).
 
 Why: the Ray tests spend most of their time waiting (Serve's drains, delays, health
-checks, first tokens) while the machine sits idle; three Ray lanes wait side by
-side and the torch lane uses what they leave. The lane without Ray runs niced: CPU it
+checks, first tokens) while the machine sits idle; two Ray lanes wait side by side
+and the torch lane uses what they leave. The lane without Ray runs niced: CPU it
 took from the Ray lanes would stretch their waits. The Ray lanes' Ray instances
 share nothing: the in-process one picks free ports, the launchers and docs shells
 their own (and a docs shell's `ray stop` sees only its own PID namespace).
@@ -42,16 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# name -> (pytest marker expression, niceness, seconds before it starts, environment)
-# NOTE: the lifecycle lane has minutes to spare: it starts once the other Ray lanes'
-# first Ray is up (three Rays starting at once on 2 cores once kept a raylet from
-# registering within Ray's fixed 30 s).
-LANES = {"no Ray": ("not ray", 10, 0.0, {}),
-         "Ray": ("ray and not front_door and not own_ray and not lifecycle", 0, 0.0, {}),
-         "lifecycle": ("ray and (own_ray or lifecycle)", 0, 30.0,
-                       {"RAY_SERVE_HAPROXY_STATS_PORT": "18404",
-                        "RAY_SERVE_HAPROXY_METRICS_PORT": "19101"}),
-         "front door": ("ray and front_door and not lifecycle", 0, 0.0, {})}
+# name -> (pytest marker expression, niceness)
+LANES = {"no Ray": ("not ray", 10), "Ray": ("ray and not front_door and not own_ray", 0),
+         "front door": ("ray and (front_door or own_ray)", 0)}
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 # pytest's short summary: "FAILED tests/x.py::test_y[a b] - AssertionError: ..."
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S.*?)(?: - .*)?$")
@@ -91,16 +82,12 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="stepstream-lanes-") as tmp:
         runs = {}
-        for name, (marks, niceness, delay_s, lane_env) in LANES.items():
+        for name, (marks, niceness) in LANES.items():
             log_path = Path(tmp) / f"{name.replace(' ', '-')}.log"
             log = open(log_path, "w")
-            command = [sys.executable, "-m", "pytest", "-q", "-m", marks, *argv]
-            if delay_s:  # NOTE: the delay runs in the lane's process: the others start now
-                command = ["sh", "-c", f'sleep {delay_s} && exec "$0" "$@"', *command]
-            proc = subprocess.Popen(command,
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", marks, *argv],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**env, **lane_env},
-                                    preexec_fn=lambda n=niceness: os.nice(n))
+                                    env=env, preexec_fn=lambda n=niceness: os.nice(n))
             runs[name] = (proc, log, log_path)
         status = 0
         totals: dict[str, int] = {}

@@ -39,8 +39,7 @@ def _suite(tmp_path: Path, body: str) -> list[str]:
 
 @pytest.fixture
 def two_lanes(monkeypatch, tmp_path):
-    monkeypatch.setattr(run_lanes, "LANES", {"timing": ("timing", 0, 0.0, {}),
-                                             "rest": ("not timing", 0, 0.1, {"A": "1"})})
+    monkeypatch.setattr(run_lanes, "LANES", {"timing": ("timing", 0), "rest": ("not timing", 0)})
     monkeypatch.setenv("LANES_TMP", str(tmp_path))
 
 

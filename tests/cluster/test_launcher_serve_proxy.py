@@ -13,8 +13,7 @@ import pytest
 from loadtests.local_server import LocalServer
 from loadtests.openai_stream import StreamParser
 
-# NOTE: own_ray, not front_door: Serve's proxy binds none of HAProxy's fixed ports
-pytestmark = [pytest.mark.ray, pytest.mark.own_ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.front_door, pytest.mark.timeout(600)]
 
 BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
         "ignore_eos": True}

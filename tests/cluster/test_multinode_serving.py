@@ -28,7 +28,7 @@ from cluster_support import engine_states, wait_until
 from multinode_support import PLACEMENT_ARGS, deploy, local_cluster, replica_nodes
 from reliability_support import greedy_texts, is_openai_error, pinned_stats, stream_request
 
-pytestmark = [pytest.mark.ray, pytest.mark.lifecycle, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
 ENGINE_ARGS = {"max_num_seqs": 64, "num_kv_blocks": 512, "max_model_len": 512,

@@ -19,8 +19,7 @@ import pytest
 from cluster_support import engine_handle, engine_states, serve_app, wait_healthy, wait_until
 from reliability_support import pinned_stats, stream_request
 
-pytestmark = [pytest.mark.ray, pytest.mark.lifecycle, pytest.mark.shared_ray,
-              pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
 MAX_TOKENS = 240

@@ -19,8 +19,7 @@ import pytest
 from cluster.launcher.process_reaper import alive, descendants
 from cluster_support import free_port
 
-pytestmark = [pytest.mark.ray, pytest.mark.front_door, pytest.mark.lifecycle,
-              pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.front_door, pytest.mark.timeout(300)]
 
 
 def _group_alive(pgid: int) -> bool:
