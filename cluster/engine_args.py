@@ -27,7 +27,9 @@ DEVICE_DEFAULT = None  # None: "cuda" when engine_num_gpus > 0, else "cpu"
 # cluster/README.md (cluster/args_table.py). Ranges: EngineConfig checks them.
 _HELP = {
     "model": "a preset (smollm2-135m: trained; tiny, small: random weights), a .gguf file or a local Hugging Face checkpoint directory",
-    "dtype": "auto: float32 on CPU, the checkpoint's dtype on CUDA (replicas/checkpoints/dtype_choice.py)",
+    "dtype": "auto: on CPU bfloat16 for a bfloat16 or quantized checkpoint where the CPU "
+             "runs it natively, else float32; the checkpoint's dtype on CUDA "
+             "(replicas/checkpoints/dtype_choice.py)",
     "device": "null: cuda when the engine replica has a GPU (engine_num_gpus > 0), else cpu",
     "max_model_len": "context length; null: the model's own",
     "block_size": "tokens per KV cache block (a power of two)",

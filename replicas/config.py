@@ -231,8 +231,9 @@ def check_structured_output(spec) -> None:
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     model: str = "tiny"  # a preset name ("tiny", "small") or a local HF directory
-    # auto: the checkpoint's dtype, as float32 on CPUs without native half-precision
-    # instructions (replicas/checkpoints/dtype_choice.py); resolved and logged at start-up.
+    # auto: on CPU bfloat16 for a bfloat16 or quantized checkpoint where the CPU runs it
+    # natively, else float32; on CUDA the checkpoint's dtype
+    # (replicas/checkpoints/dtype_choice.py); resolved and logged at start-up.
     dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length

@@ -1,16 +1,19 @@
 """Resolves `dtype: auto` at start-up to what this device runs natively.
 
-On a CPU `auto` runs float32, whatever the checkpoint's dtype: float32 is what the
-parity tests hold exact against transformers, and where half precision is emulated
-it is several times slower. With native bfloat16 instructions, an explicit bfloat16
-runs the decode attention kernel over a bfloat16 cache and bfloat16 GEMMs (the
-oneDNN-packed linear layers are float32 only), and decodes the trained preset's
-shape faster than float32 on such a CPU (docs/performance.md); its tokens are not
-bit-identical to float32's. On CUDA `auto` takes
-the checkpoint's own dtype (`torch_dtype`, or `dtype` as transformers 5 writes it),
-as float16 for a bfloat16 checkpoint on GPUs without bfloat16 (before compute
-capability 8.0). An explicit half-precision dtype on a CPU is honoured, with a
-warning. The choice and its reason are logged.
+On a CPU `auto` runs bfloat16 where the CPU has native bfloat16 instructions and
+the checkpoint carries no more precision than that: a bfloat16 checkpoint, or a
+GGUF file whose matrices are quantized (bfloat16's rounding is far below a 4- or
+8-bit quantization's own error). There bfloat16 GEMMs and the decode attention
+kernel over a bfloat16 cache decode faster than float32 wherever matrix multiplies
+dominate the step (docs/performance.md: the trained preset). Every other checkpoint
+(float32, float16, unnamed) runs float32 on CPU: float32 is what the parity tests
+hold exact against transformers, and bfloat16's tokens are not bit-identical to
+float32's. Without native instructions half precision is emulated and several times
+slower, so `auto` picks float32 there. On CUDA `auto` takes the checkpoint's own
+dtype (`torch_dtype`, or `dtype` as transformers 5 writes it), as float16 for a
+bfloat16 checkpoint on GPUs without bfloat16 (before compute capability 8.0). An
+explicit dtype is honoured, with a warning where it is slower than `auto`'s. The
+choice and its reason are logged.
 """
 from __future__ import annotations
 
@@ -56,6 +59,27 @@ def checkpoint_dtype(model_dir: str) -> str | None:
     return value if value in ("float32",) + HALF_DTYPES else None
 
 
+# GGUF matrix types that carry more precision than bfloat16 keeps (the rest are
+# quantized, or bfloat16 itself)
+_WIDE_GGUF_TYPES = ("F32", "F64", "F16")
+
+
+def carries_at_most_bfloat16(model_dir: str) -> str | None:
+    """Why the checkpoint's weights carry no more precision than bfloat16 keeps, or
+    None: a bfloat16 checkpoint, or one converted from a GGUF file whose matrices
+    are all quantized (or bfloat16)."""
+    if checkpoint_dtype(model_dir) == "bfloat16":
+        return "the checkpoint is bfloat16"
+    try:
+        with open(os.path.join(model_dir, "gguf_source.json")) as f:
+            types = json.load(f).get("matrix_types") or []
+    except (OSError, ValueError):
+        return None
+    if types and not any(t in _WIDE_GGUF_TYPES for t in types):
+        return f"the checkpoint's matrices are {'/'.join(types)} in its GGUF file"
+    return None
+
+
 def _cuda_has_bf16() -> bool:
     import torch
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -81,12 +105,18 @@ def resolve_dtype(requested: str, device: str, model_dir: str,
         elif on_cpu and dtype == "bfloat16":
             logger.info("dtype bfloat16 on a CPU with native bfloat16: faster than float32 "
                         "where matrix multiplies dominate the step, tokens not bit-identical "
-                        "to float32's (dtype auto picks float32)")
+                        "to float32's")
             why += " (native bfloat16 on this CPU)"
     elif on_cpu:
-        ckpt = checkpoint_dtype(model_dir) or "unnamed"
-        dtype, why = "float32", (f"auto: the checkpoint is {ckpt}; on CPU the attention kernel "
-                                 "and packed linear layers run float32")
+        narrow = carries_at_most_bfloat16(model_dir)
+        if narrow is not None and cpu_runs_natively("bfloat16", flags):
+            dtype, why = "bfloat16", (f"auto: {narrow} and this CPU runs bfloat16 natively "
+                                      "(dtype float32 runs exact float32)")
+        else:
+            ckpt = checkpoint_dtype(model_dir) or "unnamed"
+            dtype, why = "float32", (f"auto: the checkpoint is {ckpt}"
+                                     + ("" if narrow is None else
+                                        f" ({narrow}; this CPU has no native bfloat16)"))
     else:
         ckpt = checkpoint_dtype(model_dir)
         if ckpt is None:

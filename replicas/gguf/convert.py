@@ -21,7 +21,7 @@ from replicas.gguf.tokenizer_files import write_tokenizer_files
 logger = logging.getLogger("stepstream")
 # NOTE: bump when the conversion's output changes, so that directories written by
 # an older converter are never mistaken for the new one's.
-CONVERTER_VERSION = "v1"
+CONVERTER_VERSION = "v2"  # v2: gguf_source.json names the matrices' types
 SOURCE_FILE = "gguf_source.json"
 
 
@@ -69,10 +69,13 @@ def convert_gguf(path: str, out_dir: Path, digest: str, with_weights: bool = Tru
         tensors = dict(hf_tensors(checkpoint, config))
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out_dir / "config.json", config)
+    # NOTE: the matrices' types say what precision the weights carry (dtype auto)
+    matrix_types = sorted({t.type_name for t in checkpoint.tensors.values() if len(t.shape) >= 2})
     _write_json(out_dir / SOURCE_FILE, {"file": path, "sha256": digest,
                                         "converter": CONVERTER_VERSION,
                                         "name": checkpoint.metadata.get("general.name"),
-                                        "license": checkpoint.metadata.get("general.license")})
+                                        "license": checkpoint.metadata.get("general.license"),
+                                        "matrix_types": matrix_types})
 
 
 @functools.lru_cache(maxsize=8)
