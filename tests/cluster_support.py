@@ -77,7 +77,13 @@ def serve_app(app_args: dict, system_config: dict | None = None):
 
 def _start_serve_on_a_free_port(port: int, num_tries: int = 3, **start_options) -> int:
     """serve.start on `port` (and `start_options`); if another process took the port
-    since it was picked (a free port is only free when asked), again on a new one."""
+    since it was picked (a free port is only free when asked), again on a new one;
+    if its HTTP proxy was killed while starting, again.
+
+    NOTE: the proxy case: on a busy machine the previous module's Serve controller,
+    restarted to finish its graceful shutdown, once killed the proxy that this
+    start had just created under the same per-node name (ActorDiedError: "killed
+    by `ray.kill`")."""
     from ray import serve
 
     for attempt in range(num_tries):
@@ -85,10 +91,13 @@ def _start_serve_on_a_free_port(port: int, num_tries: int = 3, **start_options) 
             serve.start(http_options={"host": "127.0.0.1", "port": port}, **start_options)
             return port
         except Exception as e:  # noqa: BLE001 - Ray wraps the proxy's bind error
-            if "Failed to bind" not in str(e) or attempt == num_tries - 1:
+            proxy_killed = "ProxyActor" in str(e) and "ray.kill" in str(e)
+            if not ("Failed to bind" in str(e) or proxy_killed) or attempt == num_tries - 1:
                 raise
             with contextlib.suppress(Exception):
                 serve.shutdown()
+            if proxy_killed:
+                time.sleep(2.0)  # the old controller's shutdown runs out
             port = free_port()
     return port
 
