@@ -25,6 +25,8 @@ import torch
 from loadtests.decode_breakdown import MAX_TOKENS, breakdown
 from loadtests.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
 from loadtests.metrics import format_table
+from replicas.config import EngineConfig
+from replicas.kv_cache.kv_budget import bytes_per_block
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -99,8 +101,8 @@ def roofline(config, batch: int, dtype: torch.dtype) -> dict:
 def kv_cache_gib(config, batch: int, num_tokens: int, dtype: str) -> float:
     """A cache that holds `batch` streams of `num_tokens` at once (the CPU default, 1 GiB,
     holds 23k tokens of smollm2-135m in float32: fewer than 256 streams of 160)."""
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
-    nbytes = per_token * DTYPES[dtype].itemsize * batch * num_tokens
+    per_token = bytes_per_block(EngineConfig(dtype=dtype, block_size=1), config)
+    nbytes = per_token * batch * num_tokens
     return max(1.0, round(1.25 * nbytes / 2**30, 2))
 
 

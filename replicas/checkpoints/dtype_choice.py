@@ -21,6 +21,8 @@ import json
 import logging
 import os
 
+from replicas.gguf.convert import matrix_types
+
 logger = logging.getLogger("stepstream")
 
 HALF_DTYPES = ("bfloat16", "float16")
@@ -70,11 +72,7 @@ def carries_at_most_bfloat16(model_dir: str) -> str | None:
     are all quantized (or bfloat16)."""
     if checkpoint_dtype(model_dir) == "bfloat16":
         return "the checkpoint is bfloat16"
-    try:
-        with open(os.path.join(model_dir, "gguf_source.json")) as f:
-            types = json.load(f).get("matrix_types") or []
-    except (OSError, ValueError):
-        return None
+    types = matrix_types(model_dir)
     if types and not any(t in _WIDE_GGUF_TYPES for t in types):
         return f"the checkpoint's matrices are {'/'.join(types)} in its GGUF file"
     return None

@@ -78,6 +78,16 @@ def convert_gguf(path: str, out_dir: Path, digest: str, with_weights: bool = Tru
                                         "matrix_types": matrix_types})
 
 
+def matrix_types(model_dir: str | os.PathLike) -> list[str] | None:
+    """The GGUF types of the matrices a converted directory came from, or None: not a
+    conversion, or one written before the converter recorded them (v1)."""
+    try:
+        with open(os.path.join(model_dir, SOURCE_FILE)) as f:
+            return json.load(f).get("matrix_types")
+    except (OSError, ValueError):
+        return None
+
+
 @functools.lru_cache(maxsize=8)
 def _content_hash(path: str, size: int, mtime_ns: int) -> str:
     """sha256 of the file; size and mtime key the cache, so an edited file is hashed anew."""
