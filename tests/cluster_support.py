@@ -2,9 +2,11 @@
 polling.
 
 Not a test module. Each test module builds ONE app (module-scoped fixture) and
-always shuts Serve down. The local Ray under it is shared by consecutive modules
-marked `shared_ray` (a start costs seconds on 2 cores): tests/conftest.py shuts it
-down before the first test that is not, so no other test sees it.
+always deletes it. The local Ray under it is shared by consecutive modules
+marked `shared_ray` (a start costs seconds on 2 cores), and so is Serve on it (each
+module deploys its app and deletes it afterwards): tests/conftest.py runs those
+modules first and shuts Ray down before the first test that is not, so no other
+test sees it.
 """
 from __future__ import annotations
 
@@ -22,16 +24,25 @@ def free_port() -> int:
 
 
 SHARED_RAY_CPUS = 4
+# NOTE: a replica being stopped (a module's app deleted, a redeploy, a scale-down)
+# waits for its open per-step channels, which close after this long without
+# requests (5 s by default); a module that tests the idle close sets its own.
+TEST_CHANNEL_IDLE_CLOSE_S = 1.0
+# NOTE: one system config for every module that shares the Ray, so none restarts it:
+# Ray exports what workers recorded every second (the metrics tests wait for it).
+SHARED_RAY_SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000}
 _shared_ray_config: dict | None = None  # the system config of the running shared Ray
+_shared_serve_port: int | None = None  # Serve's HTTP port on the shared Ray, once started
 
 
 def shared_ray(system_config: dict | None = None) -> None:
     """Start the shared local Ray, unless it runs with this `system_config` (Ray's
-    `_system_config`) already; one with another is shut down first."""
+    `_system_config`; default SHARED_RAY_SYSTEM_CONFIG) already; one with another is
+    shut down first."""
     global _shared_ray_config
     import ray
 
-    wanted = dict(system_config or {})
+    wanted = dict(SHARED_RAY_SYSTEM_CONFIG if system_config is None else system_config)
     if _shared_ray_config == wanted and ray.is_initialized():
         return
     shut_down_shared_ray()
@@ -44,27 +55,44 @@ def shared_ray(system_config: dict | None = None) -> None:
 
 
 def shut_down_shared_ray() -> None:
-    global _shared_ray_config
+    global _shared_ray_config, _shared_serve_port
     if _shared_ray_config is None:
         return
     import ray
+    from ray import serve
 
-    _shared_ray_config = None
+    if _shared_serve_port is not None:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+    _shared_ray_config = _shared_serve_port = None
     ray.shutdown()
+
+
+def _shared_serve() -> int:
+    """Serve on the shared Ray (started once, on a free port): its HTTP port.
+
+    Why shared: a Serve start (controller, proxy) costs seconds on a busy machine, and
+    shutting one down just before the next starts once raced with the old controller,
+    which killed the new proxy."""
+    global _shared_serve_port
+    if _shared_serve_port is None:
+        # NOTE: the port is picked after Ray started, whose processes take ports too.
+        _shared_serve_port = _start_serve_on_a_free_port(free_port())
+    return _shared_serve_port
 
 
 @contextlib.contextmanager
 def serve_app(app_args: dict, system_config: dict | None = None):
-    """Start Serve on a free port of the shared local Ray with one app; yield the
-    base URL. Serve shuts down afterwards; Ray stays for the next module."""
+    """Deploy one app on Serve on the shared local Ray; yield the base URL. The app is
+    deleted afterwards (its replicas stopped); Serve and Ray stay for the next module."""
     from ray import serve
 
     from cluster.app import AppArgs, make_app
 
     shared_ray(system_config)
     try:
-        # NOTE: the port is picked after Ray started, whose processes take ports too.
-        port = _start_serve_on_a_free_port(free_port())
+        port = _shared_serve()
+        app_args = {"channel_idle_close_s": TEST_CHANNEL_IDLE_CLOSE_S, **app_args}
         serve.run(make_app(AppArgs.model_validate(app_args)),
                   name="stepstream", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
@@ -72,7 +100,7 @@ def serve_app(app_args: dict, system_config: dict | None = None):
         yield base
     finally:
         with contextlib.suppress(Exception):
-            serve.shutdown()
+            serve.delete("stepstream")
 
 
 def _start_serve_on_a_free_port(port: int, num_tries: int = 3, **start_options) -> int:

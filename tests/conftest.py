@@ -8,6 +8,9 @@ import pytest
 
 
 def pytest_collection_modifyitems(config, items):
+    # The modules that share one local Ray (and Serve on it) run first, one after
+    # another, so it starts once; then those that start Ray their own way.
+    items.sort(key=lambda item: item.get_closest_marker("shared_ray") is None)
     try:
         import torch
         has_cuda = torch.cuda.is_available()

@@ -32,9 +32,9 @@ PROMPT = "Once upon a time there was a little"
 
 @pytest.fixture(scope="module")
 def server():
-    # NOTE: Ray exports what workers record every 10 s by default; the metrics tests
-    # wait for an export, so here it exports every second.
-    with serve_app(APP_ARGS, system_config={"metrics_report_interval_ms": 1000}) as base:
+    # NOTE: Ray exports what workers record every 10 s by default; the shared Ray
+    # exports every second (cluster_support.SHARED_RAY_SYSTEM_CONFIG) for the metrics tests.
+    with serve_app(APP_ARGS) as base:
         yield base
 
 

@@ -30,6 +30,7 @@ SERVE_DEFAULT_DRAIN_S = 20.0
 DEADLINE_S = 180.0
 APP_ARGS = {"model": MODEL, "num_engine_replicas": 2, "engine_num_cpus": 1,
             "ingress_num_cpus": 0.25, "num_threads": 1, "max_num_seqs": 16,
+            "channel_idle_close_s": 1.0,
             "num_kv_blocks": 512, "num_scheduler_steps": 4, "max_model_len": 512,
             "enable_fault_injection": True, "graceful_shutdown_timeout_s": 120.0}
 
@@ -106,7 +107,7 @@ def _assert_complete(results) -> None:
 
 def test_redeploy_with_a_changed_arg_lets_streams_finish(server):
     results, drained_s, change_s = _streams_through_a_change(
-        server, {**APP_ARGS, "channel_idle_close_s": 4.0}, num_replicas=2)
+        server, {**APP_ARGS, "channel_idle_close_s": 1.5}, num_replicas=2)
     _assert_complete(results)
     assert drained_s is not None, "the old replicas were never stopped while streams ran"
     assert drained_s > SERVE_DEFAULT_DRAIN_S, f"streams ended {drained_s:.1f} s into the drain"
@@ -117,7 +118,7 @@ def test_redeploy_with_a_changed_arg_lets_streams_finish(server):
 
 def test_scale_down_lets_streams_finish(server):
     results, drained_s, change_s = _streams_through_a_change(
-        server, {**APP_ARGS, "channel_idle_close_s": 4.0, "num_engine_replicas": 1},
+        server, {**APP_ARGS, "channel_idle_close_s": 1.5, "num_engine_replicas": 1},
         num_replicas=2)
     _assert_complete(results)
     assert drained_s is not None, "no replica was stopped while streams ran"
