@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 
-from cluster.launcher import console, preflight, process_reaper
+from cluster.launcher import console, cpu_layout, preflight, process_reaper
 from cluster.api.access import API_KEY_ENV, check_access, key_digest
 from cluster.launcher.console import curl_line  # noqa: F401 - tests and tools import it from here
 from cluster.engine_args import add_engine_flags, engine_flag_values
@@ -91,8 +91,8 @@ def _read_config(path: str) -> tuple[dict, dict]:
     return dict(apps[0].get("args") or {}), dict(config.get("http_options") or {})
 
 
-def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
-    """(AppArgs dict, host, port) from the config file and the flags."""
+def chosen_args(ns: argparse.Namespace) -> tuple[dict, dict]:
+    """(AppArgs values, http_options) that the config file and the flags set."""
     args, http = _read_config(ns.config) if ns.config else ({}, {})
     flags = {"served_model_name": ns.served_model_name,
              "num_engine_replicas": ns.num_engine_replicas,
@@ -102,6 +102,16 @@ def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
              "allow_unauthenticated": ns.allow_unauthenticated or None}
     args.update(engine_flag_values(ns))
     args.update({k: v for k, v in flags.items() if v is not None})
+    return args, http
+
+
+def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
+    """(AppArgs dict, host, port) from the config file and the flags; on a CPU machine
+    where neither chooses the replicas, cpu_layout's split of the cores."""
+    args, http = chosen_args(ns)
+    layout = cpu_layout.layout_for(args, ray_cpus=ns.num_cpus)
+    if layout is not None:
+        args.update(layout.app_args())
     _use_key(args, ns.api_key or os.environ.get(API_KEY_ENV))
     host = ns.host or http.get("host") or "127.0.0.1"
     port = ns.port or int(http.get("port") or 8000)
@@ -254,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     if mport is None:
         return status
     console.say(f"Front door: {front_door} ({why})")
+    layout = cpu_layout.layout_for(chosen_args(ns)[0], ray_cpus=ns.num_cpus)
+    if layout is not None:
+        console.say(f"Replicas: {layout.describe()} (one engine replica per core up to "
+                    f"{cpu_layout.ONE_PER_CORE_UP_TO}: docs/operations.md; "
+                    "--num-engine-replicas and --engine-num-cpus choose others)")
     return _serve(ns, app_cfg, host, port, mport, has_key)
 
 
