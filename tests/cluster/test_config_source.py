@@ -59,12 +59,13 @@ def test_every_engine_field_reaches_the_engine_from_a_serve_config(f):
 
 @pytest.mark.parametrize("f", FIELDS, ids=lambda f: f.name)
 def test_every_engine_field_has_a_launcher_flag(f):
-    from cluster.serve_local import app_args, parse_args
+    from cluster.serve_local import chosen_args, parse_args
 
     value = _other_value(f)
     argv = ([flag_name(f.name) if value else "--no-" + flag_name(f.name)[2:]]
             if isinstance(value, bool) else [flag_name(f.name), str(value)])
-    args, _, _ = app_args(parse_args(argv))
+    # NOTE: what the flags chose, before the launcher's CPU layout (test_cpu_layout.py)
+    args, _ = chosen_args(parse_args(argv))
     assert args == {f.name: value}
 
 
@@ -102,9 +103,9 @@ def test_engine_ranges_are_enforced_by_the_serve_config():
 
 
 def test_old_launcher_flags_still_work():
-    from cluster.serve_local import app_args, parse_args
+    from cluster.serve_local import chosen_args, parse_args
 
-    args, _, _ = app_args(parse_args(["--release-per-window", "--no-async-output"]))
+    args, _ = chosen_args(parse_args(["--release-per-window", "--no-async-output"]))
     assert args == {"release_per_step": False, "async_output": False}
 
 
