@@ -150,7 +150,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: an uninitialised weight (the loader copies the checkpoint's in): a random
+        # init on the meta device goes through torch's reference ops, whose import of
+        # torch._dynamo costs every engine start more than a second.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
