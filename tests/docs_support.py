@@ -253,6 +253,10 @@ class Sandbox:
             "HOME": str(self.home),
             "RAY_TMPDIR": str(ray_tmp),
             "RAY_USAGE_STATS_ENABLED": "0",
+            # NOTE: a worker's `ray start` asks the head's GCS for the head node 20 times,
+            # 2 s apart, by default; beside the suite's other lanes that once ran out on
+            # this machine (the command passed alone). A slow machine's patience only.
+            "RAY_NUM_REDIS_GET_RETRIES": "90",
             # the preset's weights, made once per machine: share them, not the Ray token
             "STEPSTREAM_CACHE": os.environ.get("STEPSTREAM_CACHE")
             or str(Path(real_home) / ".cache" / "stepstream"),
