@@ -108,6 +108,13 @@ def chosen_args(ns: argparse.Namespace) -> tuple[dict, dict]:
 def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
     """(AppArgs dict, host, port) from the config file and the flags; on a CPU machine
     where neither chooses the replicas, cpu_layout's split of the cores."""
+    args, host, port, _ = _app_args_and_layout(ns)
+    return args, host, port
+
+
+def _app_args_and_layout(ns: argparse.Namespace
+                         ) -> tuple[dict, str, int, cpu_layout.CpuLayout | None]:
+    """app_args' values and the CPU layout it applied (None: the user chose)."""
     args, http = chosen_args(ns)
     layout = cpu_layout.layout_for(args, ray_cpus=ns.num_cpus)
     if layout is not None:
@@ -115,7 +122,7 @@ def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
     _use_key(args, ns.api_key or os.environ.get(API_KEY_ENV))
     host = ns.host or http.get("host") or "127.0.0.1"
     port = ns.port or int(http.get("port") or 8000)
-    return args, host, port
+    return args, host, port, layout
 
 
 def _use_key(args: dict, key: str | None) -> None:
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.api_key:
         console.warn(f"--api-key shows in the process list; prefer the env var {API_KEY_ENV}")
-    args, host, port = app_args(ns)
+    args, host, port, layout = _app_args_and_layout(ns)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # NOTE: token auth is what Ray picks for a new local instance anyway; set, it is
     # picked without Ray's notice that suggests turning it off.
@@ -264,7 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     if mport is None:
         return status
     console.say(f"Front door: {front_door} ({why})")
-    layout = cpu_layout.layout_for(chosen_args(ns)[0], ray_cpus=ns.num_cpus)
     if layout is not None:
         console.say(f"Replicas: {layout.describe()} (one engine replica per core up to "
                     f"{cpu_layout.ONE_PER_CORE_UP_TO}: docs/operations.md; "
