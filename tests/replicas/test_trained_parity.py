@@ -1,6 +1,7 @@
 """Correctness on trained weights: our engine on the converted SmolLM2 GGUF against
-transformers loading the same file (greedy tokens, at N=1 and N=8, with and
-without prefix caching and chunked prefill)."""
+transformers loading the same file: every greedy token is transformers' argmax
+after the same prefix (at N=1 and N=8, with and without prefix caching and
+chunked prefill)."""
 from __future__ import annotations
 
 import functools
@@ -29,30 +30,34 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-@functools.lru_cache(maxsize=1)
-def _reference() -> list[tuple[list[int], list[torch.Tensor]]]:
-    """transformers' greedy tokens and logits for every prompt, EOS not stopping."""
-    model = trained_model.hf_model()
-    out = []
+@functools.lru_cache(maxsize=None)
+def _transformers_logits(prompt: tuple[int, ...], answer: tuple[int, ...]) -> torch.Tensor:
+    """transformers' logits before each token of `answer`, given the prompt and the
+    answer's tokens before it: one forward pass over prompt + answer (teacher forcing).
+
+    Why not transformers' own greedy generate: a greedy answer equals it exactly when
+    every token is transformers' argmax after the same prefix, which one causal
+    forward pass checks for every position at once (64 one-token passes per prompt
+    took most of this module's time), and past a near-tie it keeps checking the
+    rest of the answer where a comparison of two sequences would have to stop."""
+    ids = torch.tensor([list(prompt) + list(answer)])
     with torch.inference_mode():
-        for prompt in _prompts():
-            ids = torch.tensor([prompt])
-            # NOTE: the mask given: inferred, it would hide every <|im_end|> of the
-            # prompt (the pad token's id)
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=2,
-                                 output_logits=True, return_dict_in_generate=True)
-            out.append((gen.sequences[0, len(prompt):].tolist(), [l[0] for l in gen.logits]))
-    return out
+        # NOTE: the mask given: inferred, it would hide every <|im_end|> of the
+        # prompt (the pad token's id)
+        logits = trained_model.hf_model()(ids, attention_mask=torch.ones_like(ids)).logits[0]
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(answer)]
 
 
-def _first_difference(ours: list[int], theirs: list[int], logits: list[torch.Tensor]):
-    """None when equal, else (index, logit margin of transformers' top two there)."""
-    for j, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            top2 = logits[j].topk(2).values
-            return j, float(top2[0] - top2[1])
-    assert len(ours) == len(theirs)
+def _first_disagreement(prompt: list[int], answer: list[int]):
+    """None when every answer token is transformers' argmax after the same prefix,
+    else (index, transformers' token there, its logit margin over ours)."""
+    logits = _transformers_logits(tuple(prompt), tuple(answer))
+    theirs = logits.argmax(dim=-1).tolist()
+    for j, (ours_j, theirs_j) in enumerate(zip(answer, theirs)):
+        if ours_j != theirs_j:
+            margin = float(logits[j, theirs_j] - logits[j, ours_j])
+            if margin >= NEAR_TIE:
+                return j, theirs_j, margin
     return None
 
 
@@ -78,9 +83,22 @@ def test_greedy_tokens_equal_transformers_on_trained_weights(name):
             runs.append(engine.generate(_prompts(), params))
             assert engine.stats().num_prefix_cache_hit_tokens > 0
     for outs in runs:
-        for i, (out, (theirs, logits)) in enumerate(zip(outs, _reference())):
-            difference = _first_difference(out.token_ids, theirs, logits)
-            if difference is not None:
-                j, margin = difference
-                assert margin < NEAR_TIE, (f"prompt {i}, token {j}: ours {out.token_ids[j]}, "
-                                           f"transformers {theirs[j]}, logit margin {margin:.2e}")
+        for i, (prompt, out) in enumerate(zip(_prompts(), outs)):
+            assert len(out.token_ids) == NUM_NEW_TOKENS
+            disagreement = _first_disagreement(prompt, out.token_ids)
+            if disagreement is not None:
+                j, theirs, margin = disagreement
+                raise AssertionError(f"prompt {i}, token {j}: ours {out.token_ids[j]}, "
+                                     f"transformers {theirs}, logit margin {margin:.2e}")
+
+
+def test_the_oracle_catches_one_wrong_token():
+    """The check above has teeth: an answer with one token changed disagrees there."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with Engine(EngineConfig(model=trained_model.PRESET, dtype="float32")) as engine:
+        answer = engine.generate(_prompts()[:1], params)[0].token_ids
+    assert _first_disagreement(_prompts()[0], answer) is None
+    wrong = list(answer)
+    wrong[10] = (wrong[10] + 1) % 49152
+    j, theirs, margin = _first_disagreement(_prompts()[0], wrong)
+    assert (j, theirs) == (10, answer[10]) and margin >= NEAR_TIE
