@@ -6,6 +6,7 @@ transformers' own load (dequantizing every tensor) takes seconds.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -43,11 +44,47 @@ def model_dir() -> str:
     return ensure_model_dir(PRESET)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """While transformers loads: one parse of a GGUF file per process, and one
+    tensor-name map per (architecture, block count).
+
+    Why: transformers parses the file anew for the config, the weights and the
+    tokenizer (each parse walks the 49k-entry vocabulary field by field), and builds
+    the same name map again for every tensor; these were most of the oracle's load.
+    Both are read-only and pure, so sharing them changes nothing transformers
+    computes."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = _shared_reader(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
+def _shared_reader(reader_class):
+    @functools.wraps(reader_class, updated=())
+    def shared(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in _READERS:
+            _READERS[key] = reader_class(path, mode)
+        return _READERS[key]
+    return shared
+
+
+_READERS: dict = {}  # (path, mode) -> gguf.GGUFReader, for _gguf_parsed_once
+
+
 @functools.lru_cache(maxsize=1)
 def hf_tokenizer():
     from transformers import AutoTokenizer
     path = gguf_file()
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    with _gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                             gguf_file=os.path.basename(path))
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,6 +92,6 @@ def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
     path = gguf_file()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
-    return model
+    with _gguf_parsed_once():
+        return AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
