@@ -107,6 +107,9 @@ class AppArgs(EngineArgs):
     graceful_shutdown_timeout_s: float = Field(
         600.0, ge=0.0, description="how long replicas being replaced or scaled down let "
         "streams finish (>= request_timeout_s, checked)")
+    graceful_shutdown_wait_loop_s: float = Field(
+        2.0, gt=0.0, description="how often a replica being stopped looks for requests "
+        "still running (Serve waits this long at least before it stops an idle one)")
     request_timeout_s: float | None = Field(
         None, gt=0.0, description="a request still generating this long after its first token "
         "ends with 504 (an SSE error event once streaming) and is aborted; null: no limit")
@@ -243,6 +246,7 @@ class AppArgs(EngineArgs):
                        request_router_kwargs=self.router_kwargs()),
                    "max_queued_requests": self.engine_max_queued_requests,
                    "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+                   "graceful_shutdown_wait_loop_s": self.graceful_shutdown_wait_loop_s,
                    "health_check_period_s": self.health_check_period_s,
                    "health_check_timeout_s": self.health_check_timeout_s}
         if self.autoscaling is not None:
@@ -264,7 +268,8 @@ class AppArgs(EngineArgs):
         return {"num_replicas": self.num_ingress_replicas, "ray_actor_options": actor,
                 "max_ongoing_requests": self.ingress_max_ongoing_requests,
                 "max_queued_requests": self.ingress_max_queued_requests,
-                "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
+                "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+                "graceful_shutdown_wait_loop_s": self.graceful_shutdown_wait_loop_s}
 
 
 def build_app(args: dict | None = None) -> Application:

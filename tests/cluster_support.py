@@ -28,6 +28,9 @@ SHARED_RAY_CPUS = 4
 # waits for its open per-step channels, which close after this long without
 # requests (5 s by default); a module that tests the idle close sets its own.
 TEST_CHANNEL_IDLE_CLOSE_S = 1.0
+# NOTE: and Serve looks for its running requests every 2 s by default, after a first
+# wait as long: every module's app deletion waited for it.
+TEST_SHUTDOWN_WAIT_LOOP_S = 0.25
 # NOTE: one system config for every module that shares the Ray, so none restarts it:
 # Ray exports what workers recorded every second (the metrics tests wait for it).
 SHARED_RAY_SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000}
@@ -92,7 +95,8 @@ def serve_app(app_args: dict, system_config: dict | None = None):
     shared_ray(system_config)
     try:
         port = _shared_serve()
-        app_args = {"channel_idle_close_s": TEST_CHANNEL_IDLE_CLOSE_S, **app_args}
+        app_args = {"channel_idle_close_s": TEST_CHANNEL_IDLE_CLOSE_S,
+                    "graceful_shutdown_wait_loop_s": TEST_SHUTDOWN_WAIT_LOOP_S, **app_args}
         serve.run(make_app(AppArgs.model_validate(app_args)),
                   name="stepstream", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"

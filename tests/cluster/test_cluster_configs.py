@@ -152,3 +152,16 @@ def test_cluster_configs_bind_the_dashboard_to_loopback(name):
     (start,) = [c for c in _load(name)["head_start_ray_commands"] if "ray start --head" in c]
     assert "--dashboard-host=127.0.0.1" in start
     assert "0.0.0.0" not in yaml.safe_dump(_load(name))
+
+
+def test_both_deployments_take_the_shutdown_wait_loop():
+    """Serve's own deployment option, from one key of the app's args."""
+    from cluster.app import AppArgs, build_app
+
+    args = AppArgs.model_validate({"graceful_shutdown_wait_loop_s": 0.5})
+    for options in (args.engine_options(), args.ingress_options()):
+        assert options["graceful_shutdown_wait_loop_s"] == 0.5
+    build_app({"graceful_shutdown_wait_loop_s": 0.5})  # Serve takes it for both deployments
+    assert AppArgs().graceful_shutdown_wait_loop_s == 2.0  # Serve's default
+    with pytest.raises(ValueError):
+        AppArgs.model_validate({"graceful_shutdown_wait_loop_s": 0})
