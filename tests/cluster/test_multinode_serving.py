@@ -135,6 +135,10 @@ def test_prompts_sharing_a_prefix_meet_on_one_replica_across_nodes(cluster, engi
 LOAD_STREAMS = 72  # (72 + 4 channels) / 30 per replica: 3 replicas wanted
 STEADY_STREAMS = 30  # (30 + 6 channels) / 30: 2 wanted, yet each of 3 holds some
 LOAD_TOKENS = 48
+# NOTE: a load stream lasts about 3 s: the same count of streams in flight as shorter
+# ones would keep, from a third of the requests (each costs the front door, the
+# ingress and this test's client far more than a token does).
+LOAD_STEP_DELAY_S = 0.25
 
 
 def test_load_scales_onto_another_node_and_back_without_cutting_streams(cluster, engine,
@@ -142,7 +146,7 @@ def test_load_scales_onto_another_node_and_back_without_cutting_streams(cluster,
     old = replica_nodes("EngineReplica")
     assert len(old) == 2
     (free_node,) = set(cluster.engine_node_ids()) - set(old.values())
-    _slow(engine, old, 0.1)  # a load stream lasts about 1.5 s
+    _slow(engine, old, LOAD_STEP_DELAY_S)
     peak_ended = asyncio.Event()  # the workers beyond STEADY_STREAMS stop
     load_ended = asyncio.Event()
     seen = {}  # what the monitor saw
@@ -205,6 +209,7 @@ def test_load_scales_onto_another_node_and_back_without_cutting_streams(cluster,
             new, new_node = await asyncio.wait_for(scaled_up(started), 120)
             peak_ended.set()
             peak_end = time.monotonic()
+            await asyncio.to_thread(_slow, engine, [new], LOAD_STEP_DELAY_S)
             try:
                 await asyncio.wait_for(scaled_down([*old, new], peak_end), 120)
             except TimeoutError:
