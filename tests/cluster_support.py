@@ -36,13 +36,14 @@ TEST_SHUTDOWN_WAIT_LOOP_S = 0.25
 SHARED_RAY_SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000}
 _shared_ray_config: dict | None = None  # the system config of the running shared Ray
 _shared_serve_port: int | None = None  # Serve's HTTP port on the shared Ray, once started
+shared_ray_starts = 0  # how many times this process started the shared Ray
 
 
 def shared_ray(system_config: dict | None = None) -> None:
     """Start the shared local Ray, unless it runs with this `system_config` (Ray's
     `_system_config`; default SHARED_RAY_SYSTEM_CONFIG) already; one with another is
     shut down first."""
-    global _shared_ray_config
+    global _shared_ray_config, shared_ray_starts
     import ray
 
     wanted = dict(SHARED_RAY_SYSTEM_CONFIG if system_config is None else system_config)
@@ -53,8 +54,11 @@ def shared_ray(system_config: dict | None = None) -> None:
     # NOTE: address "local": a Ray of its own, never a cluster `ray start` left running.
     ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False,
              log_to_driver=False,
-             configure_logging=False, _system_config=wanted)
+             configure_logging=False, _system_config=dict(wanted))
+    # NOTE: a copy above: ray.init adds its own keys to the dict it is given (object
+    # spilling), and the one kept here must compare equal to the next module's ask.
     _shared_ray_config = wanted
+    shared_ray_starts += 1
 
 
 def shut_down_shared_ray() -> None:
@@ -84,10 +88,19 @@ def _shared_serve() -> int:
     return _shared_serve_port
 
 
+def with_test_defaults(app_args: dict) -> dict:
+    """`app_args` over the test apps' defaults (TEST_CHANNEL_IDLE_CLOSE_S,
+    TEST_SHUTDOWN_WAIT_LOOP_S)."""
+    return {"channel_idle_close_s": TEST_CHANNEL_IDLE_CLOSE_S,
+            "graceful_shutdown_wait_loop_s": TEST_SHUTDOWN_WAIT_LOOP_S, **app_args}
+
+
 @contextlib.contextmanager
-def serve_app(app_args: dict, system_config: dict | None = None):
-    """Deploy one app on Serve on the shared local Ray; yield the base URL. The app is
-    deleted afterwards (its replicas stopped); Serve and Ray stay for the next module."""
+def serve_app(app_args: dict, system_config: dict | None = None, name: str = "stepstream",
+              route_prefix: str = "/"):
+    """Deploy one app on Serve on the shared local Ray; yield its base URL (Serve's
+    address + route_prefix). The app is deleted afterwards (its replicas stopped);
+    Serve and Ray stay for the next module."""
     from ray import serve
 
     from cluster.app import AppArgs, make_app
@@ -95,16 +108,14 @@ def serve_app(app_args: dict, system_config: dict | None = None):
     shared_ray(system_config)
     try:
         port = _shared_serve()
-        app_args = {"channel_idle_close_s": TEST_CHANNEL_IDLE_CLOSE_S,
-                    "graceful_shutdown_wait_loop_s": TEST_SHUTDOWN_WAIT_LOOP_S, **app_args}
-        serve.run(make_app(AppArgs.model_validate(app_args)),
-                  name="stepstream", route_prefix="/", blocking=False)
-        base = f"http://127.0.0.1:{port}"
+        serve.run(make_app(AppArgs.model_validate(with_test_defaults(app_args))),
+                  name=name, route_prefix=route_prefix, blocking=False)
+        base = f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}"
         wait_healthy(base)
         yield base
     finally:
         with contextlib.suppress(Exception):
-            serve.delete("stepstream")
+            serve.delete(name)
 
 
 def _start_serve_on_a_free_port(port: int, num_tries: int = 3, **start_options) -> int:
@@ -144,10 +155,10 @@ def wait_healthy(base: str, timeout_s: float = 60.0) -> None:
     raise TimeoutError(f"{base}/health did not turn 200 within {timeout_s}s")
 
 
-def engine_handle():
+def engine_handle(app: str = "stepstream"):
     from ray import serve
 
-    return serve.get_deployment_handle("EngineReplica", app_name="stepstream")
+    return serve.get_deployment_handle("EngineReplica", app_name=app)
 
 
 def replica_stats(handle, num_calls: int = 1) -> list[dict]:

@@ -16,7 +16,9 @@ import time
 import httpx
 import pytest
 
-from cluster_support import engine_handle, engine_states, serve_app, wait_healthy, wait_until
+from cluster_support import (
+    engine_handle, engine_states, serve_app, wait_healthy, wait_until, with_test_defaults,
+)
 from reliability_support import pinned_stats, stream_request
 
 pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.timeout(600)]
@@ -56,8 +58,8 @@ def _redeploy(args: dict) -> None:
 
     from cluster.app import AppArgs, make_app
 
-    serve.run(make_app(AppArgs.model_validate(args)), name="stepstream", route_prefix="/",
-              blocking=False)
+    serve.run(make_app(AppArgs.model_validate(with_test_defaults(args))), name="stepstream",
+              route_prefix="/", blocking=False)
 
 
 def _streams_through_a_change(server: str, new_args: dict, num_replicas: int,
