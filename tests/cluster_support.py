@@ -96,11 +96,9 @@ def with_test_defaults(app_args: dict) -> dict:
 
 
 @contextlib.contextmanager
-def serve_app(app_args: dict, system_config: dict | None = None, name: str = "stepstream",
-              route_prefix: str = "/"):
-    """Deploy one app on Serve on the shared local Ray; yield its base URL (Serve's
-    address + route_prefix). The app is deleted afterwards (its replicas stopped);
-    Serve and Ray stay for the next module."""
+def serve_app(app_args: dict, system_config: dict | None = None):
+    """Deploy one app on Serve on the shared local Ray; yield the base URL. The app is
+    deleted afterwards (its replicas stopped); Serve and Ray stay for the next module."""
     from ray import serve
 
     from cluster.app import AppArgs, make_app
@@ -109,13 +107,13 @@ def serve_app(app_args: dict, system_config: dict | None = None, name: str = "st
     try:
         port = _shared_serve()
         serve.run(make_app(AppArgs.model_validate(with_test_defaults(app_args))),
-                  name=name, route_prefix=route_prefix, blocking=False)
-        base = f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}"
+                  name="stepstream", route_prefix="/", blocking=False)
+        base = f"http://127.0.0.1:{port}"
         wait_healthy(base)
         yield base
     finally:
         with contextlib.suppress(Exception):
-            serve.delete(name)
+            serve.delete("stepstream")
 
 
 def _start_serve_on_a_free_port(port: int, num_tries: int = 3, **start_options) -> int:
@@ -155,10 +153,10 @@ def wait_healthy(base: str, timeout_s: float = 60.0) -> None:
     raise TimeoutError(f"{base}/health did not turn 200 within {timeout_s}s")
 
 
-def engine_handle(app: str = "stepstream"):
+def engine_handle():
     from ray import serve
 
-    return serve.get_deployment_handle("EngineReplica", app_name=app)
+    return serve.get_deployment_handle("EngineReplica", app_name="stepstream")
 
 
 def replica_stats(handle, num_calls: int = 1) -> list[dict]:
