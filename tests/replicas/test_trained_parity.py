@@ -30,8 +30,7 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-@functools.lru_cache(maxsize=None)
-def _transformers_logits(prompt: tuple[int, ...], answer: tuple[int, ...]) -> torch.Tensor:
+def _transformers_logits(prompt: list[int], answer: list[int]) -> torch.Tensor:
     """transformers' logits before each token of `answer`, given the prompt and the
     answer's tokens before it: one forward pass over prompt + answer (teacher forcing).
 
@@ -40,7 +39,7 @@ def _transformers_logits(prompt: tuple[int, ...], answer: tuple[int, ...]) -> to
     forward pass checks for every position at once (64 one-token passes per prompt
     took most of this module's time), and past a near-tie it keeps checking the
     rest of the answer where a comparison of two sequences would have to stop."""
-    ids = torch.tensor([list(prompt) + list(answer)])
+    ids = torch.tensor([prompt + answer])
     with torch.inference_mode():
         # NOTE: the mask given: inferred, it would hide every <|im_end|> of the
         # prompt (the pad token's id)
@@ -48,16 +47,25 @@ def _transformers_logits(prompt: tuple[int, ...], answer: tuple[int, ...]) -> to
     return logits[len(prompt) - 1:len(prompt) - 1 + len(answer)]
 
 
-def _first_disagreement(prompt: list[int], answer: list[int]):
-    """None when every answer token is transformers' argmax after the same prefix,
-    else (index, transformers' token there, its logit margin over ours)."""
-    logits = _transformers_logits(tuple(prompt), tuple(answer))
+@functools.lru_cache(maxsize=None)
+def _disagreements(prompt: tuple[int, ...], answer: tuple[int, ...]):
+    """((index, transformers' token there, its logit margin over ours), ...) where an
+    answer token is not transformers' argmax after the same prefix; once per answer
+    (the configs mostly give the same ones)."""
+    logits = _transformers_logits(list(prompt), list(answer))
     theirs = logits.argmax(dim=-1).tolist()
-    for j, (ours_j, theirs_j) in enumerate(zip(answer, theirs)):
-        if ours_j != theirs_j:
-            margin = float(logits[j, theirs_j] - logits[j, ours_j])
-            if margin >= NEAR_TIE:
-                return j, theirs_j, margin
+    return tuple((j, theirs_j, float(logits[j, theirs_j] - logits[j, ours_j]))
+                 for j, (ours_j, theirs_j) in enumerate(zip(answer, theirs))
+                 if ours_j != theirs_j)
+
+
+def _first_disagreement(prompt: list[int], answer: list[int]):
+    """None when every answer token is transformers' argmax after the same prefix (or
+    within NEAR_TIE of it), else (index, transformers' token there, its logit margin
+    over ours)."""
+    for j, theirs_j, margin in _disagreements(tuple(prompt), tuple(answer)):
+        if margin >= NEAR_TIE:
+            return j, theirs_j, margin
     return None
 
 
