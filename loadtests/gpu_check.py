@@ -1,6 +1,6 @@
 """One-shot device check: `python -m loadtests.gpu_check [--quick] [--out DIR]`.
 
-Four parts, each time-boxed and caught on its own, the JSON rewritten after each:
+Five parts, each time-boxed and caught on its own, the JSON rewritten after each:
   kernel_accuracy   Triton decode vs the torch backend (Llama-3-8B, Qwen shapes)
   graph_decode      CUDA-graph 8-step windows == step-by-step eager decode (greedy)
   decode_bandwidth  KV bytes read per second vs the H200's ~4.3 TB/s
@@ -8,6 +8,9 @@ Four parts, each time-boxed and caught on its own, the JSON rewritten after each
                     device, no files), ShareGPT-like lengths, all requests sent at once
                     through the offline AsyncEngine: N=8 per-step streaming, N=8
                     per-window release, N=1; seed-format result blocks beside the JSON.
+  step_profile      the same shape, 256 streams decoding at once: step time for N=8 and
+                    N=1 windows, and one window under torch's profiler (GPU busy time,
+                    kernels and host operators per step).
 The whole run fits 7 minutes on one H200. Without CUDA the GPU-only parts say
 "skipped: no CUDA"; `--quick` shrinks everything (tiny shapes, 32 requests) and runs
 the end-to-end plumbing on CPU too.
@@ -56,7 +59,7 @@ E2E_CONFIGS = [  # name -> EngineConfig overrides
     ("N=1", {"num_scheduler_steps": 1}),
 ]
 TOKENS_PER_WORD = 1.3  # the ShareGPT sample's lengths are in words; Llama-3 BPE is ~1.3 per word
-PARTS = ("kernel_accuracy", "graph_decode", "decode_bandwidth", "end_to_end")
+PARTS = ("kernel_accuracy", "graph_decode", "decode_bandwidth", "end_to_end", "step_profile")
 
 
 def _log(message: str) -> None:
@@ -311,8 +314,28 @@ def _compare(configs: dict, quick: bool) -> dict:
     return out
 
 
+# -- part e: where a full-batch decode step's time goes (loadtests/gpu_step_profile.py) ---
+def part_step_profile(quick: bool, budget_s: float) -> dict:
+    from loadtests.gpu_step_profile import profile_windows
+    on_cuda = torch.cuda.is_available()
+    if not (on_cuda or quick):
+        raise Skipped("skipped: no CUDA")
+    shape = QUICK_SHAPE if quick else LLAMA31_8B_SHAPE
+    batch, input_len = (16, 32) if quick else (256, 200)
+    with tempfile.TemporaryDirectory() as model_dir, mock.patch(
+            "replicas.model_runner.load_model", build_random_model):
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(shape, f, indent=1)
+        windows = [profile_windows(model_dir, shape["vocab_size"], on_cuda, batch, input_len, n)
+                   for n in (8, 1)]
+    return {"model": "tiny llama shape" if quick else "llama-3.1-8b shape", "batch": batch,
+            "input_len": input_len, "windows": windows,
+            "n8_vs_n1_step_time": windows[0]["step_ms"] / windows[1]["step_ms"]}
+
+
 # -- main ----------------------------------------------------------------------------------
-BUDGETS_S = {"kernel_accuracy": 60, "graph_decode": 60, "decode_bandwidth": 45, "end_to_end": 300}
+BUDGETS_S = {"kernel_accuracy": 60, "graph_decode": 60, "decode_bandwidth": 45, "end_to_end": 300,
+             "step_profile": 60}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -334,10 +357,12 @@ def main(argv: list[str] | None = None) -> dict:
          f"parts {args.parts}; writing {report.json_path}")
     fns = {"kernel_accuracy": part_kernel_accuracy, "graph_decode": part_graph_decode,
            "decode_bandwidth": lambda budget_s: measure_decode_bandwidth(),
-           "end_to_end": functools.partial(part_end_to_end, report, args.quick, args.num_requests)}
+           "end_to_end": functools.partial(part_end_to_end, report, args.quick, args.num_requests),
+           "step_profile": functools.partial(part_step_profile, args.quick)}
     for name in args.parts:
-        # NOTE: the end-to-end part takes whatever time the kernel parts left over.
-        budget = report.seconds_left() if name == "end_to_end" else BUDGETS_S[name]
+        # NOTE: the end-to-end part takes whatever time the other parts leave over.
+        later = sum(BUDGETS_S[n] for n in args.parts[args.parts.index(name) + 1:])
+        budget = report.seconds_left() - later if name == "end_to_end" else BUDGETS_S[name]
         report.run(name, fns[name], budget)
     _log(f"done: {report.json_path}, {report.blocks_path}")
     return report.data

@@ -60,3 +60,14 @@ def test_gpu_check_end_to_end_plumbing_runs_on_cpu(tmp_path):
         assert summary["completed"] == 8 and summary["failed"] == 0
     assert json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["end_to_end"]["status"] == "ok"
     assert (tmp_path / "gpu_check_blocks.txt").read_text().count("Serving Benchmark Result") == 3
+
+
+def test_gpu_check_step_profile_plumbing_runs_on_cpu(tmp_path):
+    data = gpu_check.main(["--quick", "--parts", "step_profile", "--out", str(tmp_path)])
+    part = data["parts"]["step_profile"]
+    assert part["status"] == "ok", part
+    windows = part["result"]["windows"]
+    assert [w["num_steps"] for w in windows] == [8, 1]
+    for w in windows:  # every stream decodes in the timed windows, and a whole window is profiled
+        assert w["batch"] == 16 and w["step_ms"] > 0 and w["profiled_steps"] == w["num_steps"]
+        assert w["top_host_self_ms_per_step"]

@@ -1,0 +1,81 @@
+"""Where a full-batch decode step's time goes on a GPU (`python -m loadtests.gpu_check`'s
+step_profile part).
+
+The Llama-3.1-8B shape with random bf16 weights drawn on the device (as
+`loadtests.gpu_check` does), B streams prefilled, then decode windows timed while every
+stream decodes, for N=8 and N=1. One more window runs under torch's profiler with CPU
+and CUDA activities, so the step splits into GPU busy time (kernels, by name) and the
+host's time around it: a step whose wall time is far above its kernels' is bound by
+the host (scheduling, sampling bookkeeping, output processing, launches).
+The caller patches the model loader (random weights, no files); on CPU the same code
+runs the tiny shape, to check the plumbing.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from replicas import Engine, EngineConfig, SamplingParams
+
+
+def _device_us(event) -> float:
+    # NOTE: torch renamed cuda_time_total to device_time_total; read either
+    return float(getattr(event, "self_device_time_total", None)
+                 or getattr(event, "self_cuda_time_total", 0.0) or 0.0)
+
+
+def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, input_len: int,
+                    num_steps: int, num_windows: int = 6) -> dict:
+    """Step time of full-batch decode windows of num_steps steps, and one window's
+    kernels (CUDA) and host operators, per step."""
+    config = EngineConfig(model=model_dir, device="cuda" if on_cuda else "cpu",
+                          dtype="bfloat16" if on_cuda else "float32",
+                          max_model_len=4096 if on_cuda else 256, max_num_seqs=batch,
+                          kv_cache_gib=24.0 if on_cuda else 0.25,
+                          max_num_batched_tokens=4096 if on_cuda else 512,
+                          num_scheduler_steps=num_steps, release_per_step=True)
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    engine = Engine(config)
+    try:
+        core = engine.core
+        params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+        rng = random.Random(0)
+        for _ in range(batch):
+            engine.add_request([rng.randrange(5, vocab_size) for _ in range(input_len)], params)
+        while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in core.requests.values()):
+            engine.step()
+        for _ in range(2):  # settle: graphs warm, outputs flowing
+            engine.step()
+        sync()
+        steps0, start = core.num_steps, time.perf_counter()
+        for _ in range(num_windows):
+            engine.step()
+        sync()
+        step_ms = (time.perf_counter() - start) * 1e3 / (core.num_steps - steps0)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        steps0 = core.num_steps
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            engine.step()
+            sync()
+            window_ms = (time.perf_counter() - start) * 1e3
+        profiled_steps = core.num_steps - steps0
+        events = prof.key_averages()
+        kernels = sorted(((e.key, _device_us(e)) for e in events if _device_us(e) > 0),
+                         key=lambda kv: -kv[1])
+        device_busy_ms = sum(us for _, us in kernels) / 1e3
+        host = sorted(((e.key, e.self_cpu_time_total) for e in events), key=lambda kv: -kv[1])
+        return {
+            "num_steps": num_steps, "batch": batch, "step_ms": step_ms,
+            "full_batch_tok_s": batch / step_ms * 1e3,
+            "profiled_window_ms": window_ms, "profiled_steps": profiled_steps,
+            "device_busy_ms_per_step": device_busy_ms / max(1, profiled_steps),
+            "device_busy_share": device_busy_ms / window_ms,
+            "top_kernels_ms_per_step": [(k, us / 1e3 / max(1, profiled_steps)) for k, us in kernels[:15]],
+            "top_host_self_ms_per_step": [(k, us / 1e3 / max(1, profiled_steps)) for k, us in host[:25]],
+        }
+    finally:
+        engine.shutdown()

@@ -1,0 +1,102 @@
+"""Sampling and structured outputs on a GPU: the sampler's draws on CUDA follow the
+adjusted distribution and a seeded row draws the same tokens in any batch; in the
+engine (Triton backend, decode CUDA graphs, the pipelined host copy), constrained
+rows' masks come from their previous token, so every constrained output matches its
+grammar, and unconstrained neighbours keep their tokens. Skipped without CUDA."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from deltas.types import FinishReason
+from replicas import Engine, EngineConfig, SamplingParams
+from replicas.sampling.sampler import build_sampling_batch, sample_no_sync, sampling_probs
+from tests.model_dirs import make_model_dir
+from tests.sampling_support import chi_square, chi_square_limit, sampler_row
+
+pytestmark = pytest.mark.gpu
+
+ENUM_SCHEMA = {"type": "object", "required": ["color", "size"], "additionalProperties": False,
+               "properties": {"color": {"enum": ["red", "green", "blue"]},
+                              "size": {"type": "string", "enum": ["S", "M", "L"]}}}
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 20},
+                                    {"temperature": 1.3, "top_p": 0.8}])
+def test_cuda_draws_follow_the_adjusted_distribution(kwargs):
+    cuda, vocab, num_rows = torch.device("cuda"), 200, 2048
+    logits = (torch.randn(vocab, generator=torch.Generator().manual_seed(11)) * 2.0).to(cuda)
+    rows = [sampler_row(i, SamplingParams(**kwargs)) for i in range(num_rows)]
+    sb = build_sampling_batch(rows, vocab, cuda)
+    batch = logits.unsqueeze(0).expand(num_rows, -1).contiguous()
+    counts = torch.zeros(vocab, dtype=torch.int64, device=cuda)
+    torch.manual_seed(3)
+    for _ in range(60):
+        sampled, _ = sample_no_sync(batch.clone(), sb)
+        counts += torch.bincount(sampled, minlength=vocab)
+    probs = sampling_probs(batch, sb)[0]
+    stat, dof = chi_square(counts.cpu(), probs.cpu())
+    assert stat < chi_square_limit(dof), (stat, dof)
+    assert int(counts[probs == 0].sum()) == 0
+
+
+def _seeded_tokens_on_cuda(batch_size: int, seed: int, num_steps: int = 12) -> list[int]:
+    cuda, vocab = torch.device("cuda"), 1000
+    target = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
+    others = [SamplingParams(temperature=0.8, seed=i if i % 2 else None) for i in range(batch_size - 1)]
+    rows = [sampler_row(0, target)] + [sampler_row(i + 1, p) for i, p in enumerate(others)]
+    sb = build_sampling_batch(rows, vocab, cuda)
+    logits = torch.randn(num_steps, vocab, generator=torch.Generator().manual_seed(5)).to(cuda)
+    tokens = []
+    for step in range(num_steps):
+        torch.manual_seed(100 + batch_size)  # unseeded rows differ with the batch
+        step_logits = torch.randn(batch_size, vocab, device=cuda) * 3
+        step_logits[0] = logits[step]
+        sampled, _ = sample_no_sync(step_logits, sb)
+        tokens.append(int(sampled[0]))
+    return tokens
+
+
+def test_a_seeded_row_draws_the_same_tokens_in_any_batch_on_cuda():
+    alone = _seeded_tokens_on_cuda(1, seed=1234)
+    assert _seeded_tokens_on_cuda(5, seed=1234) == alone
+    assert _seeded_tokens_on_cuda(33, seed=1234) == alone
+    assert _seeded_tokens_on_cuda(5, seed=99) != alone
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 8192) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_steps", [1, 8])
+def test_constrained_rows_match_their_grammar_beside_free_rows(tmp_path_factory, num_steps):
+    pytest.importorskip("triton")
+    model_dir = make_model_dir(tmp_path_factory.mktemp("models"), "llama")
+    config = EngineConfig(model=model_dir, device="cuda", dtype="float32", attention_backend="triton",
+                          max_model_len=512, max_num_seqs=16, num_scheduler_steps=num_steps)
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=160,
+                                  structured_output={"json": ENUM_SCHEMA}) for i in range(3)]
+    regex = SamplingParams(temperature=1.0, seed=7, max_tokens=40,
+                           structured_output={"regex": "[a-c]{3}-[0-9]{2}"})
+    prompts = _prompts(7, seed=13)
+    with Engine(config) as engine:
+        runner = engine.core.runner
+        assert runner.decode_graphs is not None
+        outs = engine.generate(prompts, [free] * 3 + constrained + [regex])
+        alone = engine.generate(prompts[:3], free)
+        replays = runner.decode_graphs.num_replays
+    assert replays > 0
+    assert [o.token_ids for o in outs[:3]] == [o.token_ids for o in alone]
+    for out in outs[3:6]:
+        assert out.finish_reason == FinishReason.STOP, out.text
+        value = json.loads(out.text)
+        assert set(value) == {"color", "size"}, value
+        assert value["color"] in ("red", "green", "blue") and value["size"] in ("S", "M", "L")
+    assert outs[6].finish_reason == FinishReason.STOP
+    text = outs[6].text
+    assert len(text) == 6 and text[3] == "-" and set(text[:3]) <= set("abc") and text[4:].isdigit(), text
