@@ -219,6 +219,7 @@ def sharegpt_like_workload(num_requests: int, vocab_size: int, length_scale: flo
 def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tuple[dict, object]:
     """One engine, all requests at once; (JSON result, BenchmarkSummary)."""
     from loadtests.engine_runner import drain, greedy, stats_dict, stream_sessions
+    from loadtests.gpu_step_profile import StepMix
     from loadtests.metrics import summarize
     from replicas.async_engine import AsyncEngine
     start = time.monotonic()
@@ -234,8 +235,13 @@ def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tupl
         replays0 = runner.decode_graphs.num_replays if runner.decode_graphs is not None else 0
         run_budget = max(5.0, budget_s - (time.monotonic() - start))
         sessions = [[(p, greedy(n))] for p, n in workload]
-        per_session, duration, num_cut = asyncio.run(stream_sessions(
-            engine.generate, sessions, budget_s=run_budget, log=_log, log_every_s=progress_s))
+        # NOTE: the engine loop runs on its own thread; it calls execute only
+        step_mix = StepMix(runner)
+        try:
+            per_session, duration, num_cut = asyncio.run(stream_sessions(
+                engine.generate, sessions, budget_s=run_budget, log=_log, log_every_s=progress_s))
+        finally:
+            step_mix.restore()
         timelines = [t for ts in per_session for t in ts]
         graphs = runner.decode_graphs
         result = {
@@ -245,6 +251,7 @@ def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tupl
             "num_requests_cut_off": num_cut,
             "all_streams_tokens_per_s": sum(t.num_output_tokens for t in timelines) / duration,
             "engine_stats": stats_dict(engine.stats()),
+            "step_mix": step_mix.summary(),
         }
     finally:
         engine.shutdown()

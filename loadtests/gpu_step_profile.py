@@ -79,3 +79,48 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
         }
     finally:
         engine.shutdown()
+
+
+class StepMix:
+    """Where a whole run's engine time goes by kind of step: each call of the runner's
+    `execute` (one decode window, or one step holding prefill chunks) timed by the
+    wall clock, with its rows. A window's ids are on the host when `execute` returns,
+    so the times add up to the engine's busy time."""
+
+    SMALL_BATCH = 64  # decode windows below this many rows: the run's tail
+
+    def __init__(self, runner) -> None:
+        self.calls: list[tuple[int, int, int, float]] = []  # prefill tokens, decode rows, steps, s
+        self._runner, self._execute = runner, runner.execute
+
+        def timed(sched, on_step):
+            start = time.perf_counter()
+            try:
+                return self._execute(sched, on_step)
+            finally:
+                self.calls.append((sched.num_prefill_tokens, len(sched.decode_seqs),
+                                   sched.num_steps, time.perf_counter() - start))
+        runner.execute = timed
+
+    def restore(self) -> None:
+        self._runner.execute = self._execute
+
+    def summary(self) -> dict:
+        mixed = [c for c in self.calls if c[0] > 0]
+        decode = [c for c in self.calls if c[0] == 0]
+        small = [c for c in decode if c[1] < self.SMALL_BATCH]
+        decode_steps = sum(c[2] for c in decode)
+        return {
+            "prefill_or_mixed": {"calls": len(mixed), "seconds": sum(c[3] for c in mixed),
+                                 "prefill_tokens": sum(c[0] for c in mixed),
+                                 "decode_tokens": sum(c[1] for c in mixed)},
+            "decode_windows": {"calls": len(decode), "steps": decode_steps,
+                               "seconds": sum(c[3] for c in decode),
+                               "decode_tokens": sum(c[1] * c[2] for c in decode),
+                               "mean_rows": (sum(c[1] * c[2] for c in decode) / decode_steps
+                                             if decode_steps else 0.0),
+                               "ms_per_step": (1e3 * sum(c[3] for c in decode) / decode_steps
+                                               if decode_steps else 0.0)},
+            f"decode_windows_below_{self.SMALL_BATCH}_rows": {
+                "steps": sum(c[2] for c in small), "seconds": sum(c[3] for c in small)},
+        }

@@ -56,8 +56,12 @@ def test_gpu_check_end_to_end_plumbing_runs_on_cpu(tmp_path):
     part = data["parts"]["end_to_end"]
     assert part["status"] == "ok", part
     for name, _ in gpu_check.E2E_CONFIGS:
-        summary = part["result"]["configs"][name]["summary"]
+        config = part["result"]["configs"][name]
+        summary = config["summary"]
         assert summary["completed"] == 8 and summary["failed"] == 0
+        mix = config["step_mix"]  # every prompt token went through a prefill step
+        assert mix["prefill_or_mixed"]["prefill_tokens"] == part["result"]["total_prompt_tokens"]
+        assert mix["decode_windows"]["seconds"] > 0
     assert json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["end_to_end"]["status"] == "ok"
     assert (tmp_path / "gpu_check_blocks.txt").read_text().count("Serving Benchmark Result") == 3
 
