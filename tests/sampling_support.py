@@ -48,3 +48,24 @@ def sampled_counts(params: SamplingParams, logits: torch.Tensor, num_draws: int,
         sampled, _ = sample_no_sync(batch.clone(), sb)
         counts += torch.bincount(sampled, minlength=logits.shape[0])
     return counts, sb
+
+
+def seeded_row_tokens(batch_size: int, seed: int, device: torch.device = CPU,
+                      num_steps: int = 12) -> list[int]:
+    """The tokens a seeded row (row 0) draws over `num_steps` steps among
+    `batch_size - 1` other rows, some seeded, some not: a seeded row must draw the same
+    tokens whatever batch it runs in."""
+    vocab = 1000
+    target = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
+    others = [SamplingParams(temperature=0.8, seed=i if i % 2 else None) for i in range(batch_size - 1)]
+    rows = [sampler_row(0, target)] + [sampler_row(i + 1, p) for i, p in enumerate(others)]
+    sb = build_sampling_batch(rows, vocab, device)
+    logits = torch.randn(num_steps, vocab, generator=torch.Generator().manual_seed(5)).to(device)
+    tokens = []
+    for step in range(num_steps):
+        torch.manual_seed(100 + batch_size)  # unseeded rows differ with the batch
+        step_logits = torch.randn(batch_size, vocab, device=device) * 3
+        step_logits[0] = logits[step]
+        sampled, _ = sample_no_sync(step_logits, sb)
+        tokens.append(int(sampled[0]))
+    return tokens

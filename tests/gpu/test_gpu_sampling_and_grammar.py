@@ -15,9 +15,11 @@ from deltas.types import FinishReason
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.sampling.sampler import build_sampling_batch, sample_no_sync, sampling_probs
 from tests.model_dirs import make_model_dir
-from tests.sampling_support import chi_square, chi_square_limit, sampler_row
+from tests.sampling_support import chi_square, chi_square_limit, sampler_row, seeded_row_tokens
 
 pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
 
 ENUM_SCHEMA = {"type": "object", "required": ["color", "size"], "additionalProperties": False,
                "properties": {"color": {"enum": ["red", "green", "blue"]},
@@ -27,7 +29,7 @@ ENUM_SCHEMA = {"type": "object", "required": ["color", "size"], "additionalPrope
 @pytest.mark.parametrize("kwargs", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 20},
                                     {"temperature": 1.3, "top_p": 0.8}])
 def test_cuda_draws_follow_the_adjusted_distribution(kwargs):
-    cuda, vocab, num_rows = torch.device("cuda"), 200, 2048
+    cuda, vocab, num_rows = CUDA, 200, 2048
     logits = (torch.randn(vocab, generator=torch.Generator().manual_seed(11)) * 2.0).to(cuda)
     rows = [sampler_row(i, SamplingParams(**kwargs)) for i in range(num_rows)]
     sb = build_sampling_batch(rows, vocab, cuda)
@@ -43,28 +45,11 @@ def test_cuda_draws_follow_the_adjusted_distribution(kwargs):
     assert int(counts[probs == 0].sum()) == 0
 
 
-def _seeded_tokens_on_cuda(batch_size: int, seed: int, num_steps: int = 12) -> list[int]:
-    cuda, vocab = torch.device("cuda"), 1000
-    target = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
-    others = [SamplingParams(temperature=0.8, seed=i if i % 2 else None) for i in range(batch_size - 1)]
-    rows = [sampler_row(0, target)] + [sampler_row(i + 1, p) for i, p in enumerate(others)]
-    sb = build_sampling_batch(rows, vocab, cuda)
-    logits = torch.randn(num_steps, vocab, generator=torch.Generator().manual_seed(5)).to(cuda)
-    tokens = []
-    for step in range(num_steps):
-        torch.manual_seed(100 + batch_size)  # unseeded rows differ with the batch
-        step_logits = torch.randn(batch_size, vocab, device=cuda) * 3
-        step_logits[0] = logits[step]
-        sampled, _ = sample_no_sync(step_logits, sb)
-        tokens.append(int(sampled[0]))
-    return tokens
-
-
 def test_a_seeded_row_draws_the_same_tokens_in_any_batch_on_cuda():
-    alone = _seeded_tokens_on_cuda(1, seed=1234)
-    assert _seeded_tokens_on_cuda(5, seed=1234) == alone
-    assert _seeded_tokens_on_cuda(33, seed=1234) == alone
-    assert _seeded_tokens_on_cuda(5, seed=99) != alone
+    alone = seeded_row_tokens(1, seed=1234, device=CUDA)
+    assert seeded_row_tokens(5, seed=1234, device=CUDA) == alone
+    assert seeded_row_tokens(33, seed=1234, device=CUDA) == alone
+    assert seeded_row_tokens(5, seed=99, device=CUDA) != alone
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

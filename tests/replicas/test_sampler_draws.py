@@ -12,7 +12,7 @@ from replicas.sampling.inverse_cdf import BLOCK, inverse_cdf_draw_no_sync
 from replicas.request import Request
 from replicas.sampling.sampler import build_sampling_batch, sample_no_sync, sampling_probs
 from tests.sampling_support import (CPU, chi_square, chi_square_limit, sampled_counts,
-                                    sampler_row)
+                                    sampler_row, seeded_row_tokens)
 
 
 def _draw_counts(weights: torch.Tensor, num_draws: int, seed: int) -> torch.Tensor:
@@ -82,30 +82,11 @@ def test_sampled_frequencies_follow_the_adjusted_distribution(kwargs):
         assert int((counts > 0).sum()) <= kwargs["top_k"]
 
 
-def _seeded_tokens(batch_size: int, seed: int, num_steps: int = 12) -> list[int]:
-    """Row 0 (seeded) among `batch_size - 1` other rows, some seeded, some not."""
-    vocab = 1000
-    target = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
-    others = [SamplingParams(temperature=0.8, seed=i if i % 2 else None) for i in range(batch_size - 1)]
-    rows = [sampler_row(0, target)] + [sampler_row(i + 1, p) for i, p in enumerate(others)]
-    sb = build_sampling_batch(rows, vocab, CPU)
-    g = torch.Generator().manual_seed(5)
-    logits = torch.randn(num_steps, vocab, generator=g)
-    tokens = []
-    for step in range(num_steps):
-        torch.manual_seed(100 + batch_size)  # unseeded rows differ with the batch
-        step_logits = torch.randn(batch_size, vocab) * 3
-        step_logits[0] = logits[step]
-        sampled, _ = sample_no_sync(step_logits, sb)
-        tokens.append(int(sampled[0]))
-    return tokens
-
-
 def test_a_seeded_row_draws_the_same_tokens_in_any_batch():
-    alone = _seeded_tokens(1, seed=1234)
-    assert _seeded_tokens(5, seed=1234) == alone
-    assert _seeded_tokens(33, seed=1234) == alone
-    assert _seeded_tokens(5, seed=99) != alone
+    alone = seeded_row_tokens(1, seed=1234)
+    assert seeded_row_tokens(5, seed=1234) == alone
+    assert seeded_row_tokens(33, seed=1234) == alone
+    assert seeded_row_tokens(5, seed=99) != alone
 
 
 def test_greedy_rows_stay_exact_beside_sampled_rows():
