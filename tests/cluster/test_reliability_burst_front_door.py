@@ -2,7 +2,7 @@
 HAProxy to the ingress replica), on a machine slowed by a busy loop on one core:
 the streams already running complete (never stalled as long as a queue timeout),
 every request let in completes and gets
-its first token within 2 s of its admission at the median (the ingress's
+its first token within 2 s of its admission, the slowest too (the ingress's
 `Server-Timing`; on a machine slower than the one that bound was set on, by the
 ratio of the same burst's intake without the engine),
 and the rest get 429 + Retry-After without waiting for a slot, from the ingress's
@@ -176,13 +176,11 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     assert not other, other[:5]
     assert all(complete for *_, complete, _ in admitted)
     assert len(admitted) >= MAX_NUM_SEQS and refused
-    # NOTE: the median: alone the slowest came within 1.4 s too, but beside the suite's
-    # other lanes a few admitted requests waited longer (the refusals' own HTTP work for
-    # hundreds of connections shares the ingress's event loop with them); without the
-    # gate the median was 3.9 s.
+    # NOTE: every admitted request, the slowest too (alone: 0.85-1.4 s); without the
+    # gate the median alone was 3.9 s.
     ttft_bound_s = ADMITTED_TTFT_BOUND_S * max(1.0, _median(intake_s) / REFERENCE_INTAKE_S)
     print(f"admitted first-token bound on this machine: {ttft_bound_s:.2f} s")
-    assert _median(ttfts) < ttft_bound_s, sorted(ttfts)
+    assert max(ttfts) < ttft_bound_s, sorted(ttfts)
     # Refused before the expensive work: by the ingress's gate, not by an engine
     # after being parsed, tokenized and routed (without the gate: none of them). The
     # gate counts requests without a first token; the engines' bound counts the
