@@ -235,7 +235,7 @@ def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tupl
         replays0 = runner.decode_graphs.num_replays if runner.decode_graphs is not None else 0
         run_budget = max(5.0, budget_s - (time.monotonic() - start))
         sessions = [[(p, greedy(n))] for p, n in workload]
-        # NOTE: the engine loop runs on its own thread; it calls execute only
+        # NOTE: after the warm-up, so that only the workload's steps count
         step_mix = StepMix(runner)
         try:
             per_session, duration, num_cut = asyncio.run(stream_sessions(
