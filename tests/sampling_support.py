@@ -36,18 +36,20 @@ def sampler_row(i: int, params: SamplingParams) -> Request:
 
 
 def sampled_counts(params: SamplingParams, logits: torch.Tensor, num_draws: int,
-                   num_rows: int = 2048) -> tuple[torch.Tensor, SamplingBatch]:
-    """Counts per token of `num_draws` draws from one (V,) row of logits, sampled
-    as batches of `num_rows` copies of that row, and the batch's SamplingBatch."""
+                   num_rows: int = 2048, device: torch.device = CPU
+                   ) -> tuple[torch.Tensor, SamplingBatch]:
+    """Counts per token (on the CPU) of `num_draws` draws from one (V,) row of logits,
+    sampled on `device` as batches of `num_rows` copies of that row, and the batch's
+    SamplingBatch."""
     rows = [sampler_row(i, params) for i in range(num_rows)]
-    sb = build_sampling_batch(rows, logits.shape[0], CPU)
-    batch = logits.unsqueeze(0).expand(len(rows), -1).contiguous()
-    counts = torch.zeros(logits.shape[0], dtype=torch.int64)
+    sb = build_sampling_batch(rows, logits.shape[0], device)
+    batch = logits.to(device).unsqueeze(0).expand(len(rows), -1).contiguous()
+    counts = torch.zeros(logits.shape[0], dtype=torch.int64, device=device)
     torch.manual_seed(3)
     for _ in range(num_draws // len(rows)):
         sampled, _ = sample_no_sync(batch.clone(), sb)
         counts += torch.bincount(sampled, minlength=logits.shape[0])
-    return counts, sb
+    return counts.cpu(), sb
 
 
 def seeded_row_tokens(batch_size: int, seed: int, device: torch.device = CPU,

@@ -13,9 +13,9 @@ import torch
 
 from deltas.types import FinishReason
 from replicas import Engine, EngineConfig, SamplingParams
-from replicas.sampling.sampler import build_sampling_batch, sample_no_sync, sampling_probs
+from replicas.sampling.sampler import sampling_probs
 from tests.model_dirs import make_model_dir
-from tests.sampling_support import chi_square, chi_square_limit, sampler_row, seeded_row_tokens
+from tests.sampling_support import chi_square, chi_square_limit, sampled_counts, seeded_row_tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -29,18 +29,11 @@ ENUM_SCHEMA = {"type": "object", "required": ["color", "size"], "additionalPrope
 @pytest.mark.parametrize("kwargs", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 20},
                                     {"temperature": 1.3, "top_p": 0.8}])
 def test_cuda_draws_follow_the_adjusted_distribution(kwargs):
-    cuda, vocab, num_rows = CUDA, 200, 2048
-    logits = (torch.randn(vocab, generator=torch.Generator().manual_seed(11)) * 2.0).to(cuda)
-    rows = [sampler_row(i, SamplingParams(**kwargs)) for i in range(num_rows)]
-    sb = build_sampling_batch(rows, vocab, cuda)
-    batch = logits.unsqueeze(0).expand(num_rows, -1).contiguous()
-    counts = torch.zeros(vocab, dtype=torch.int64, device=cuda)
-    torch.manual_seed(3)
-    for _ in range(60):
-        sampled, _ = sample_no_sync(batch.clone(), sb)
-        counts += torch.bincount(sampled, minlength=vocab)
-    probs = sampling_probs(batch, sb)[0]
-    stat, dof = chi_square(counts.cpu(), probs.cpu())
+    vocab = 200
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(11)) * 2.0
+    counts, sb = sampled_counts(SamplingParams(**kwargs), logits, 2048 * 60, device=CUDA)
+    probs = sampling_probs(logits.to(CUDA).unsqueeze(0).expand(sb.num_rows, -1), sb)[0].cpu()
+    stat, dof = chi_square(counts, probs)
     assert stat < chi_square_limit(dof), (stat, dof)
     assert int(counts[probs == 0].sum()) == 0
 
