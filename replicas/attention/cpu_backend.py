@@ -3,8 +3,8 @@
 
 Decode dominates a CPU engine's attention time, and there torch has to copy each
 sequence's scattered blocks into a dense padded tensor first. The kernel takes the
-block tables instead. Caches of float32 or bfloat16 (q and the output go through
-float32); `selector.py` picks this backend on CPUs where the kernel builds, and
+block tables instead. Caches of float32 or bfloat16 (with a bfloat16 cache, q and the
+output may be bfloat16 too: the kernel widens and narrows them row by row); `selector.py` picks this backend on CPUs where the kernel builds, and
 plain torch otherwise.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise RuntimeError(problem)
         self._kernels = {torch.float32: kernel,
                          torch.bfloat16: load_paged_decode_attention("bfloat16")[0]}
+        self._bf16_io_kernel = load_paged_decode_attention("bfloat16_io")[0]
 
     def _decode_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
@@ -44,8 +45,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ValueError("decode attention got inconsistent shapes")
         if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("decode attention needs contiguous output and caches")
-        q = q.float().contiguous()  # NOTE: (B, h, d): small beside the cache it reads
-        result = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+        bf16_io = q.dtype == out.dtype == torch.bfloat16
+        if bf16_io:
+            kernel, q = self._bf16_io_kernel, q.contiguous()
+            result = out
+        else:
+            q = q.float().contiguous()  # NOTE: (B, h, d): small beside the cache it reads
+            result = out if out.dtype == torch.float32 else torch.empty(out.shape,
+                                                                        dtype=torch.float32)
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         width = tables.shape[1]

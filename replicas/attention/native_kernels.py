@@ -129,16 +129,24 @@ def build(name: str, cache_dir: Path | None = None, source: Path | None = None) 
 
 
 def load_paged_decode_attention(kv_dtype: str = "float32"):
-    """(ctypes function, None) for caches of `kv_dtype` ("float32" or "bfloat16"), or
-    (None, why it is unavailable). The library is loaded once per process."""
+    """(ctypes function, None) for caches of `kv_dtype` ("float32", "bfloat16", or
+    "bfloat16_io": a bfloat16 cache with bfloat16 q and output), or (None, why it is
+    unavailable). The library is loaded once per process."""
     name = "paged_decode_attention"
-    with _lock:
-        if name not in _loaded:
-            _loaded[name] = _load(name)
-        lib, problem = _loaded[name]
+    lib, problem = load_library(name)
     if lib is None:
         return None, problem
-    return decode_attention_function(lib, {"float32": name, "bfloat16": f"{name}_bf16"}[kv_dtype]), None
+    symbol = {"float32": name, "bfloat16": f"{name}_bf16", "bfloat16_io": f"{name}_bf16_io"}
+    return decode_attention_function(lib, symbol[kv_dtype]), None
+
+
+def load_library(name: str, source: Path | None = None):
+    """(ctypes library, None) for `csrc/<name>.c`, or `source`, or (None, why it is
+    unavailable). Each library is loaded once per process."""
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _load(name, source)
+        return _loaded[name]
 
 
 def decode_attention_function(lib: ctypes.CDLL, symbol: str):
@@ -162,11 +170,11 @@ def openmp_runtimes() -> set[str]:
     return {p for p in paths if os.path.basename(p).startswith(_OPENMP_LIBS)}
 
 
-def _load(name: str):
+def _load(name: str, source: Path | None = None):
     import torch  # noqa: F401 - loads torch's libgomp first, so the kernel shares it
     before = openmp_runtimes()
     try:
-        lib = _load_private_build(name)
+        lib = _load_private_build(name, source)
     except (RuntimeError, OSError) as error:
         return None, f"the {name} kernel could not be built or loaded: {error}"
     added = openmp_runtimes() - before
@@ -177,17 +185,17 @@ def _load(name: str):
     return lib, None
 
 
-def _load_private_build(name: str) -> ctypes.CDLL:
+def _load_private_build(name: str, source: Path | None = None) -> ctypes.CDLL:
     """The kernel from the cache where it is private, else built and loaded in a
     private temporary directory (the reason logged). Raises RuntimeError or OSError."""
     try:
-        return _load_private(build(name))
+        return _load_private(build(name, source=source))
     except UntrustedPath as error:
         logger.warning("kernel cache not used: %s; building the %s kernel in a private "
                        "temporary directory (make the cache directory yours and mode 700, "
                        "or set STEPSTREAM_CACHE)", error, name)
     with tempfile.TemporaryDirectory(prefix="stepstream-kernels-") as tmp:
-        return _load_private(build(name, Path(tmp)))
+        return _load_private(build(name, Path(tmp), source))
 
 
 def _load_private(path: Path) -> ctypes.CDLL:

@@ -13,6 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from replicas.attention.base import AttentionBackend, AttentionMetadata
+from replicas.models.bf16_layer_ops import Bf16LayerOps, load_bf16_layer_ops
 from replicas.models.model_config import ModelConfig
 
 
@@ -31,6 +32,14 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    ops: Bf16LayerOps | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(h), h) with h = x + residual (x when residual is None)."""
+        if ops is not None and self.weight.dtype == x.dtype:
+            return ops.rms_norm(x, self.weight, self.eps, residual)
+        h = x if residual is None else x + residual
+        return self(h), h
 
 
 def _inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -102,12 +111,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+                backend: AttentionBackend, ops: Bf16LayerOps | None = None) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         cos, sin = rope_tables
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
+        if self.q_norm is None and ops is not None:
+            q, k = ops.rotary(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is None:
             # NOTE: q and k sit side by side in qkv: one rotary pass over both heads
             qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
@@ -132,8 +143,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor, ops: Bf16LayerOps | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -161,6 +175,14 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions)
+        # NOTE: a switch for benchmarks, which run torch's operators beside the kernel
+        self.native_layer_ops = True
+
+    def layer_ops(self, h: torch.Tensor) -> Bf16LayerOps | None:
+        """The C kernel's layer ops for bfloat16 activations on a CPU, where it builds."""
+        if not self.native_layer_ops or h.dtype != torch.bfloat16 or h.device.type != "cpu":
+            return None
+        return load_bf16_layer_ops()[0]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -168,11 +190,18 @@ class LlamaForCausalLM(nn.Module):
                 backend: AttentionBackend, logits_indices: torch.Tensor | None) -> torch.Tensor:
         """(T,) ids -> (num_sampled, vocab) float32 logits of the rows in logits_indices."""
         h = self.embed_tokens(input_ids)
+        ops = self.layer_ops(h)
         rope_tables = self.rope.tables(positions, h.dtype)
+        # NOTE: each residual add happens in the next norm's pass (one pass with the kernel)
+        mlp_out = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            attn = layer.self_attn(layer.input_layernorm(h), rope_tables, kv_cache, meta, backend)
-            h = h + attn
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            normed, h = layer.input_layernorm.add_forward(h, mlp_out, ops)
+            attn = layer.self_attn(normed, rope_tables, kv_cache, meta, backend, ops)
+            normed, h = layer.post_attention_layernorm.add_forward(h, attn, ops)
+            mlp_out = layer.mlp(normed, ops)
+        if mlp_out is not None:
+            h = h + mlp_out
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)  # only the rows we sample from
-        return self.lm_head(self.norm(h)).float()
+        normed = self.norm.add_forward(h, None, ops)[0]
+        return self.lm_head(normed).float()

@@ -87,6 +87,33 @@ def test_bfloat16_caches_match_the_torch_backend_in_float32(h, kvh, d, bs):
     torch.testing.assert_close(got.float(), ref.bfloat16().float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("h,kvh,d,bs", [(9, 3, 64, 16), (4, 2, 128, 16), (6, 3, 16, 32)])
+def test_bfloat16_q_and_output_are_the_float32_path_rounded(h, kvh, d, bs):
+    """bfloat16 q and output go through the kernel's own widening and narrowing: bit for
+    bit what widening q, running the float32-output kernel and rounding its output
+    gives (the copies the backend made before); a padded row still gets zeros."""
+    lens = [1, bs - 1, 0, 3 * bs, 5 * bs + 7]
+    q, k_cache, v_cache, meta = _decode_case(len(lens), h, kvh, d, bs, lens)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens
+    B, width, scale = len(lens), tables.shape[1], d ** -0.5
+
+    def run(kernel, q_in, out):
+        rc = kernel(q_in.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                    seq_lens.data_ptr(), out.data_ptr(), B, h, kvh, d, bs, width, scale, 2)
+        assert rc == 0
+        return out
+
+    float_out = run(load_paged_decode_attention("bfloat16")[0], q.float(),
+                    torch.empty(B, h, d, dtype=torch.float32))
+    got = run(load_paged_decode_attention("bfloat16_io")[0], q,
+              torch.full((B, h, d), 7.0, dtype=torch.bfloat16))
+    assert torch.equal(got, float_out.bfloat16())
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    backend_out = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, scale)
+    assert backend_out.dtype == torch.bfloat16 and torch.equal(backend_out, got)
+
+
 def test_mixed_prefill_and_decode_matches_the_torch_backend():
     from replicas.attention.base import AttentionMetadata
     bs, h, kvh, d = 16, 4, 2, 32

@@ -4,7 +4,10 @@
  * row of length 0 (padding of a fixed-size batch) reads nothing and gets zeros.
  * Layout as in replicas/attention/base.py: caches are (num_blocks, block_size,
  * num_kv_heads, head_dim), float32 (paged_decode_attention) or bfloat16
- * (paged_decode_attention_bf16); q and out are (B, num_heads, head_dim) float32.
+ * (paged_decode_attention_bf16); q and out are (B, num_heads, head_dim) float32, or
+ * bfloat16 beside a bfloat16 cache (paged_decode_attention_bf16_io: each row widens
+ * into float32 scratch and the result narrows back, rounded to nearest even as
+ * torch's copy would, so the model's bfloat16 q and output need no copies).
  *
  * Why a kernel: torch needs the scattered blocks gathered into a dense padded copy
  * before SDPA can run, and that copy costs more memory traffic than the attention
@@ -129,21 +132,35 @@ ATTEND_ONE(attend_one_bf16, 1)
 typedef void (*attend_fn)(const float *, const char *, const char *, const int32_t *, int64_t,
                           float *, float *, int64_t, int64_t, int64_t, int64_t, float);
 
-/* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
-static int run(attend_fn attend, const float *q, const char *k_cache, const char *v_cache,
-               const int32_t *block_tables, const int32_t *seq_lens, float *out, int64_t B,
+static inline uint16_t narrow_bf16(float f) {
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+/* Returns 0, or -1 when a scratch allocation failed (out is then incomplete).
+ * io_bf16: q and out are bfloat16 (else float32). */
+static int run(attend_fn attend, const void *q, const char *k_cache, const char *v_cache,
+               const int32_t *block_tables, const int32_t *seq_lens, void *out, int64_t B,
                int64_t h, int64_t kvh, int64_t d, int64_t bs, int64_t table_width, float scale,
-               int num_threads) {
+               int num_threads, const int io_bf16) {
+    const int64_t row = h * d;
+    const int64_t io_elem = io_bf16 ? 2 : 4;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
         float *scores = NULL;
         int64_t capacity = 0;
+        /* NOTE: a widened q row, then the float32 output row */
+        float *rows = io_bf16 ? malloc(sizeof(float) * 2 * row) : NULL;
+        if (io_bf16 && rows == NULL) failed = 1;
         #pragma omp for schedule(dynamic, 4)
         for (int64_t b = 0; b < B; b++) {
             const int64_t L = seq_lens[b];
+            char *out_b = (char *)out + b * row * io_elem;
             if (L <= 0) {
-                memset(out + b * h * d, 0, sizeof(float) * h * d);
+                memset(out_b, 0, io_elem * row);
                 continue;
             }
             if (h * L > capacity) {
@@ -152,9 +169,24 @@ static int run(attend_fn attend, const float *q, const char *k_cache, const char
                 scores = malloc(sizeof(float) * capacity);
                 if (scores == NULL) { capacity = 0; failed = 1; continue; }
             }
-            attend(q + b * h * d, k_cache, v_cache, block_tables + b * table_width, L,
-                   out + b * h * d, scores, h, kvh, d, bs, scale);
+            if (!io_bf16) {
+                attend((const float *)q + b * row, k_cache, v_cache,
+                       block_tables + b * table_width, L, (float *)out_b, scores, h, kvh, d,
+                       bs, scale);
+                continue;
+            }
+            if (rows == NULL) continue;
+            const uint16_t *q_b = (const uint16_t *)q + b * row;
+            for (int64_t i = 0; i < row; i++) {
+                union { uint32_t u; float f; } x;
+                x.u = (uint32_t)q_b[i] << 16;
+                rows[i] = x.f;
+            }
+            attend(rows, k_cache, v_cache, block_tables + b * table_width, L, rows + row,
+                   scores, h, kvh, d, bs, scale);
+            for (int64_t i = 0; i < row; i++) ((uint16_t *)out_b)[i] = narrow_bf16(rows[row + i]);
         }
+        free(rows);
         free(scores);
     }
     return failed ? -1 : 0;
@@ -165,7 +197,7 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
                            int64_t B, int64_t h, int64_t kvh, int64_t d, int64_t bs,
                            int64_t table_width, float scale, int num_threads) {
     return run(attend_one_f32, q, (const char *)k_cache, (const char *)v_cache, block_tables,
-               seq_lens, out, B, h, kvh, d, bs, table_width, scale, num_threads);
+               seq_lens, out, B, h, kvh, d, bs, table_width, scale, num_threads, 0);
 }
 
 int paged_decode_attention_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -173,5 +205,14 @@ int paged_decode_attention_bf16(const float *q, const uint16_t *k_cache, const u
                                 int64_t B, int64_t h, int64_t kvh, int64_t d, int64_t bs,
                                 int64_t table_width, float scale, int num_threads) {
     return run(attend_one_bf16, q, (const char *)k_cache, (const char *)v_cache, block_tables,
-               seq_lens, out, B, h, kvh, d, bs, table_width, scale, num_threads);
+               seq_lens, out, B, h, kvh, d, bs, table_width, scale, num_threads, 0);
+}
+
+int paged_decode_attention_bf16_io(const uint16_t *q, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, const int32_t *block_tables,
+                                   const int32_t *seq_lens, uint16_t *out, int64_t B, int64_t h,
+                                   int64_t kvh, int64_t d, int64_t bs, int64_t table_width,
+                                   float scale, int num_threads) {
+    return run(attend_one_bf16, q, (const char *)k_cache, (const char *)v_cache, block_tables,
+               seq_lens, out, B, h, kvh, d, bs, table_width, scale, num_threads, 1);
 }

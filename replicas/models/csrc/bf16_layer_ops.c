@@ -1,0 +1,110 @@
+/* The elementwise work of a Llama decoder layer in bfloat16, for CPUs.
+ *
+ * Why a kernel: in bfloat16 torch runs each of these steps as its own operator
+ * (widen, square, mean, rsqrt, scale, narrow, weight; rotate-half's slices, negation
+ * and concatenation; SiLU, then the product), each a pass over the rows with a
+ * bfloat16 result written and read back. Here each is one pass per row.
+ *
+ * The rounding is torch's: every step that torch ends in a bfloat16 tensor ends here
+ * in a bfloat16 value (round to nearest even), so the results are torch's bit for
+ * bit, except where float32 sums in another order (the RMSNorm mean) or exp differs
+ * in its last bit (SiLU): then a value can be one bfloat16 step away.
+ *
+ * Row-major, contiguous rows; rows split across `num_threads` OpenMP threads
+ * (torch's pool: see replicas/attention/native_kernels.py).
+ */
+#include <math.h>
+#include <stdint.h>
+
+/* NOTE: below this many elements a thread team costs more than it saves */
+#define PARALLEL_MIN_ELEMENTS 32768
+
+static inline __attribute__((always_inline)) float widen(uint16_t v) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)v << 16;
+    return x.f;
+}
+
+/* Round to nearest even, as torch narrows float32 to bfloat16 (NaN stays NaN). */
+static inline __attribute__((always_inline)) uint16_t narrow(float f) {
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    /* NOTE: both results, then a select: a branch would keep the loops scalar */
+    const uint32_t rounded = (x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (x.u >> 16) | 0x40u;
+    return (uint16_t)((x.u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+/* out = weight * bf16(h * rsqrt(mean(h^2) + eps)), h = x, or bf16(x + residual)
+ * written to sum_out (the residual stream's next value) when residual is given. */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *sum_out,
+                   const uint16_t *weight, uint16_t *out, int64_t T, int64_t D, float eps,
+                   int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if (T * D >= PARALLEL_MIN_ELEMENTS) \
+        schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *h = x + t * D;
+        if (residual != 0) {
+            const uint16_t *r = residual + t * D;
+            uint16_t *s = sum_out + t * D;
+            for (int64_t i = 0; i < D; i++) s[i] = narrow(widen(h[i]) + widen(r[i]));
+            h = s;
+        }
+        float sum_sq = 0.0f;
+        for (int64_t i = 0; i < D; i++) {
+            const float v = widen(h[i]);
+            sum_sq += v * v;
+        }
+        const float scale = 1.0f / sqrtf(sum_sq / (float)D + eps);
+        uint16_t *o = out + t * D;
+        for (int64_t i = 0; i < D; i++)
+            o[i] = narrow(widen(weight[i]) * widen(narrow(widen(h[i]) * scale)));
+    }
+}
+
+/* out[t] = bf16(bf16(silu(gate)) * up), gate and up the halves of gate_up[t]. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I,
+                   int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if (T * I >= PARALLEL_MIN_ELEMENTS) \
+        schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gate_up + t * 2 * I;
+        const uint16_t *u = g + I;
+        uint16_t *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float v = widen(g[i]);
+            o[i] = narrow(widen(narrow(v / (1.0f + expf(-v)))) * widen(u[i]));
+        }
+    }
+}
+
+/* Rotary embedding (rotate-half layout) of the q and k heads at the front of each
+ * qkv row (row_stride elements apart), written to contiguous q (T, num_heads, d) and
+ * k (T, num_kv_heads, d): y = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)),
+ * cos and sin (T, d) in bfloat16. */
+void rotary_bf16(const uint16_t *qkv, int64_t row_stride, const uint16_t *cos_table,
+                 const uint16_t *sin_table, uint16_t *q_out, uint16_t *k_out, int64_t T,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t d, int num_threads) {
+    const int64_t half = d / 2;
+    const int64_t heads = num_heads + num_kv_heads;
+    #pragma omp parallel for num_threads(num_threads) \
+        if (T * heads * d >= PARALLEL_MIN_ELEMENTS) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos_table + t * d, *s = sin_table + t * d;
+        for (int64_t j = 0; j < heads; j++) {
+            const uint16_t *x = qkv + t * row_stride + j * d;
+            uint16_t *y = j < num_heads ? q_out + (t * num_heads + j) * d
+                                        : k_out + (t * num_kv_heads + j - num_heads) * d;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = widen(narrow(widen(x[i]) * widen(c[i])));
+                const float b = widen(narrow(-widen(x[i + half]) * widen(s[i])));
+                y[i] = narrow(a + b);
+            }
+            for (int64_t i = half; i < d; i++) {
+                const float a = widen(narrow(widen(x[i]) * widen(c[i])));
+                const float b = widen(narrow(widen(x[i - half]) * widen(s[i])));
+                y[i] = narrow(a + b);
+            }
+        }
+    }
+}
