@@ -366,15 +366,18 @@ def test_a_huge_prompt_is_refused_without_stalling_other_requests(server):
 # NOTE: under the character bound (2048 tokens x 65 characters a token at most x 4), so
 # it reaches the tokenizer: 1.5M byte-level tokens, about 0.6 s of tokenizing here.
 SLOW_TO_TOKENIZE = "".join(chr(0x4E00 + (i * 7919) % 0x51FF) for i in range(500_000))
-MAX_STREAM_GAP_S = 0.35  # at least: half the tokenizing time on a slower machine
+MAX_STREAM_GAP_S = 0.45  # at least: three quarters of the tokenizing time on a slower machine
 
 
 def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server, tokenizer):
     """The tokenizer runs off the event loop: a concurrent stream's largest gap between
-    events stays well under the time the long prompt takes to tokenize."""
+    events stays under the time the long prompt takes to tokenize.
+
+    NOTE: three quarters of it: a tokenizer on the loop stalls the stream for all of
+    it; beside the suite's other lanes a gap of 0.56 of it was seen without one."""
     started = time.monotonic()
     tokenizer.encode(SLOW_TO_TOKENIZE)
-    max_gap_s = max(MAX_STREAM_GAP_S, 0.5 * (time.monotonic() - started))
+    max_gap_s = max(MAX_STREAM_GAP_S, 0.75 * (time.monotonic() - started))
     async def run():
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0,
