@@ -93,6 +93,12 @@ class ModelRunner:
                                                  mc.num_kv_heads, mc.vocab_size, self.device,
                                                  max_model_len)
         self.pipelined_host_copy = self.device.type == "cuda"
+        # NOTE: CPU, below float32: the lm-head's output widens into this buffer, reused
+        # step after step (a step's logits are sampled before the next forward). A fresh
+        # float32 tensor of a batch's logits costs its page faults each step, more than
+        # the copy itself.
+        self._float_logits = (torch.empty(0) if self.device.type == "cpu"
+                              and config.dtype != "float32" else None)
 
     # -- inputs ---------------------------------------------------------------
     def _block_table_tensor(self, reqs: list[Request]) -> torch.Tensor:
@@ -172,7 +178,8 @@ class ModelRunner:
                 logits = graphs.replay(bucket, inputs.meta.num_decodes)
             else:
                 logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                    self.backend, inputs.logits_indices)
+                                    self.backend, inputs.logits_indices,
+                                    self._logits_buffer(len(inputs.logits_indices)))
             if grammars is not None:
                 # NOTE: constrained rows keep the window: their masks need the previous
                 # step's tokens, so that step's host sync moves before this sampling
@@ -198,6 +205,15 @@ class ModelRunner:
             pending = copy
         if pending is not None:
             on_step(sched.num_steps - 1, inputs.sampled_rows, self._host_sync_pending(pending))
+
+    def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:
+        """(num_rows, vocab) float32 over the reused buffer, or None (a fresh tensor)."""
+        if self._float_logits is None:
+            return None
+        vocab = self.model_config.vocab_size
+        if self._float_logits.numel() < num_rows * vocab:
+            self._float_logits = torch.empty(num_rows * vocab, dtype=torch.float32)
+        return self._float_logits[:num_rows * vocab].view(num_rows, vocab)
 
     @staticmethod
     def _host_sync(packed: torch.Tensor) -> StepOutput:

@@ -187,8 +187,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend: AttentionBackend, logits_indices: torch.Tensor | None) -> torch.Tensor:
-        """(T,) ids -> (num_sampled, vocab) float32 logits of the rows in logits_indices."""
+                backend: AttentionBackend, logits_indices: torch.Tensor | None,
+                logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """(T,) ids -> (num_sampled, vocab) float32 logits of the rows in logits_indices,
+        written into `logits_out` when given (float32, of that shape)."""
         h = self.embed_tokens(input_ids)
         ops = self.layer_ops(h)
         rope_tables = self.rope.tables(positions, h.dtype)
@@ -204,4 +206,7 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)  # only the rows we sample from
         normed = self.norm.add_forward(h, None, ops)[0]
-        return self.lm_head(normed).float()
+        logits = self.lm_head(normed)
+        if logits_out is None:
+            return logits.float()
+        return logits_out.copy_(logits)
