@@ -5,7 +5,7 @@ A decode step of B streams is, for its matrix multiplies, one (B x in) @ (in x o
 product per linear layer of the model (the packed q/k/v and gate/up projections, o,
 down) times the layers, plus the lm-head's (B x hidden) @ (hidden x vocab). Timing
 each product at exactly those shapes, in each dtype, by `torch.mm` and by the engine's
-oneDNN-packed layer (float32), the faster of the two, gives the step's GEMM time and so
+oneDNN-packed layer, the faster of the two, gives the step's GEMM time and so
 the tokens per second no engine could beat with these kernels: the **roofline**
 (attention, norms, sampling and Python are all on top of it). The engine's decode
 throughput is B streams over the engine's step time while all B decode, on the same
@@ -71,13 +71,13 @@ def time_mm(batch: int, k: int, n: int, dtype: torch.dtype) -> float:
 
 def time_packed(batch: int, k: int, n: int, dtype: torch.dtype) -> float | None:
     """Median seconds of the same product by the engine's oneDNN-packed linear layer
-    (float32 on CPU), or None where the engine does not pack."""
-    from replicas.models.packed_linear import PackedLinear, packing_available
+    (float32 or bfloat16 on CPU), or None where the engine does not pack."""
+    from replicas.models.packed_linear import PACKED_DTYPES, PackedLinear, packing_available
 
-    if dtype != torch.float32 or packing_available() is not None:
+    if dtype not in PACKED_DTYPES or packing_available() is not None:
         return None
-    layer = PackedLinear(torch.nn.Linear(k, n, bias=False), batch)
-    x = torch.randn(batch, k)
+    layer = PackedLinear(torch.nn.Linear(k, n, bias=False).to(dtype), batch)
+    x = torch.randn(batch, k).to(dtype)
     with torch.inference_mode():
         return median_seconds(lambda: layer(x))
 

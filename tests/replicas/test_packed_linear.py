@@ -23,20 +23,48 @@ def test_matches_nn_linear(bias, rows):
 
 
 @needs_packing
-def test_packs_every_float32_linear_and_keeps_a_tied_weight_for_the_embedding():
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_bfloat16_packed_outputs_are_nn_linear_s(rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(576, 960, bias=False).to(torch.bfloat16)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    got = PackedLinear(linear, 256)(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, linear(x), atol=0, rtol=2 ** -7)
+
+
+@needs_packing
+def test_packs_every_float32_and_bfloat16_linear_and_keeps_a_tied_weight_for_the_embedding():
     model = nn.Module()
     model.embed = nn.Embedding(50, 16)
     model.proj = nn.Linear(16, 16)
     model.head = nn.Linear(16, 50, bias=False)
     model.head.weight = model.embed.weight
     model.low = nn.Linear(16, 16).to(torch.bfloat16)
-    assert pack_linears(model, 8) == 2
+    model.half_layer = nn.Linear(16, 16).to(torch.float16)
+    assert pack_linears(model, 8) == 3
     assert isinstance(model.proj, PackedLinear) and isinstance(model.head, PackedLinear)
-    assert type(model.low) is nn.Linear  # float32 only
+    assert isinstance(model.low, PackedLinear)
+    assert type(model.half_layer) is nn.Linear  # float32 and bfloat16 only
     assert model.embed.weight.shape == (50, 16)
     ids = torch.tensor([3, 7])
     torch.testing.assert_close(model.head(model.embed(ids)), model.embed(ids) @ model.embed.weight.T,
                                atol=1e-4, rtol=1e-5)
+
+
+@needs_packing
+def test_a_layer_onednn_refuses_stays_plain_and_the_rest_are_packed(monkeypatch, caplog):
+    def refusing_bfloat16(linear, hint):
+        if linear.weight.dtype == torch.bfloat16:
+            raise RuntimeError("no bfloat16 reorder here")
+        return PackedLinear(linear, hint)
+
+    monkeypatch.setattr(packed_linear, "PackedLinear", refusing_bfloat16)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
+    with caplog.at_level(logging.INFO, logger="stepstream"):
+        assert pack_linears(model, 4) == 1
+    assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
+    assert "stays unpacked: no bfloat16 reorder here" in caplog.text
 
 
 def test_without_onednn_the_model_stays_as_it_is(monkeypatch, caplog):
