@@ -7,7 +7,10 @@ from replicas import Engine, EngineConfig, SamplingParams
 
 
 def _run(buffered: bool) -> list[tuple[list[int], list[float]]]:
-    config = EngineConfig(model="tiny", dtype="bfloat16", max_num_seqs=8, num_threads=1)
+    # NOTE: 16 tokens a step: the 40-token prompt prefills in chunks while the
+    # others decode, so steps mix prefill chunks with decodes
+    config = EngineConfig(model="tiny", dtype="bfloat16", max_num_seqs=8, num_threads=1,
+                          max_num_batched_tokens=16)
     with Engine(config) as engine:
         runner = engine.core.runner
         assert runner._float_logits is not None

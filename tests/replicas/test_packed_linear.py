@@ -30,7 +30,7 @@ def test_bfloat16_packed_outputs_are_nn_linear_s(rows):
     x = torch.randn(rows, 576).to(torch.bfloat16)
     got = PackedLinear(linear, 256)(x)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got, linear(x), atol=0, rtol=2 ** -7)
+    assert torch.equal(got, linear(x))  # the same kernels: only the reordering moved
 
 
 @needs_packing

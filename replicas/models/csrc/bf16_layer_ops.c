@@ -7,8 +7,9 @@
  *
  * The rounding is torch's: every step that torch ends in a bfloat16 tensor ends here
  * in a bfloat16 value (round to nearest even), so the results are torch's bit for
- * bit, except where float32 sums in another order (the RMSNorm mean) or exp differs
- * in its last bit (SiLU): then a value can be one bfloat16 step away.
+ * bit, except where float32 sums in another order (the RMSNorm mean) or exp and the
+ * vectorised division differ in their last bit (SiLU): then an intermediate can round
+ * one bfloat16 step away, and the product after it up to two.
  *
  * Row-major, contiguous rows; rows split across `num_threads` OpenMP threads
  * (torch's pool: see replicas/attention/native_kernels.py).
@@ -18,6 +19,8 @@
 
 /* NOTE: below this many elements a thread team costs more than it saves */
 #define PARALLEL_MIN_ELEMENTS 32768
+/* exp(-v) overflows float32 below this; torch's v / (1 + inf) is then -0 */
+#define SILU_ZERO_BELOW (-88.72f)
 
 static inline __attribute__((always_inline)) float widen(uint16_t v) {
     union { uint32_t u; float f; } x;
@@ -55,7 +58,12 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *sum_ou
             const float v = widen(h[i]);
             sum_sq += v * v;
         }
-        const float scale = 1.0f / sqrtf(sum_sq / (float)D + eps);
+        /* NOTE: -ffast-math (needed for glibc's vectorised expf) would turn 1 / sqrt
+         * into an approximate rsqrt: the empty asm keeps an exact sqrt and division,
+         * as torch's (whose mean multiplies by 1 / D, as this one compiles to) */
+        float root = sqrtf(sum_sq * (1.0f / (float)D) + eps);
+        __asm__("" : "+x"(root));
+        const float scale = 1.0f / root;
         uint16_t *o = out + t * D;
         for (int64_t i = 0; i < D; i++)
             o[i] = narrow(widen(weight[i]) * widen(narrow(widen(h[i]) * scale)));
@@ -73,7 +81,10 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I,
         uint16_t *o = out + t * I;
         for (int64_t i = 0; i < I; i++) {
             const float v = widen(g[i]);
-            o[i] = narrow(widen(narrow(v / (1.0f + expf(-v)))) * widen(u[i]));
+            /* NOTE: an explicit zero where exp overflows: -ffast-math divides by an
+             * approximate reciprocal, and that of infinity gives 0 * inf = NaN */
+            const float silu = v < SILU_ZERO_BELOW ? -0.0f : v / (1.0f + expf(-v));
+            o[i] = narrow(widen(narrow(silu)) * widen(u[i]));
         }
     }
 }
