@@ -176,12 +176,8 @@ static int run(attend_fn attend, const void *q, const char *k_cache, const char 
                 continue;
             }
             if (rows == NULL) continue;
-            const uint16_t *q_b = (const uint16_t *)q + b * row;
-            for (int64_t i = 0; i < row; i++) {
-                union { uint32_t u; float f; } x;
-                x.u = (uint32_t)q_b[i] << 16;
-                rows[i] = x.f;
-            }
+            const char *q_b = (const char *)q + b * row * io_elem;
+            for (int64_t i = 0; i < row; i++) rows[i] = kv_at(q_b, i, 1);
             attend(rows, k_cache, v_cache, block_tables + b * table_width, L, rows + row,
                    scores, h, kvh, d, bs, scale);
             for (int64_t i = 0; i < row; i++) ((uint16_t *)out_b)[i] = narrow_bf16(rows[row + i]);
