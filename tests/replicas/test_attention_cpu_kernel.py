@@ -18,25 +18,16 @@ from replicas.attention.base import AttentionMetadata
 from replicas.attention.cpu_backend import CpuAttentionBackend
 from replicas.attention.native_kernels import (build, kernel_cache_dir, load_paged_decode_attention,
                                                openmp_runtimes)
-from replicas.attention.private_files import UntrustedPath, make_private_dir
+from replicas.attention.private_files import make_private_dir
 from replicas.attention.torch_backend import TorchAttentionBackend
+from tests.native_kernel_support import why_not_built
 
 KERNEL = "paged_decode_attention"
 
 
-def _why_the_kernel_cannot_be_built():
-    try:
-        build(KERNEL)
-    except UntrustedPath:
-        return None  # the loader builds it in a private temporary directory instead
-    except RuntimeError as error:  # no compiler, or one that cannot build it here
-        return str(error)
-    return None
-
-
 # NOTE: a machine that cannot build the kernel runs the torch backend (tested
 # elsewhere). Only that skips: a kernel that builds but is not loaded fails here.
-WHY_NOT_BUILT = _why_the_kernel_cannot_be_built()
+WHY_NOT_BUILT = why_not_built(KERNEL)
 pytestmark = pytest.mark.skipif(WHY_NOT_BUILT is not None, reason=str(WHY_NOT_BUILT))
 
 

@@ -6,24 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replicas.attention.native_kernels import build
-from replicas.attention.private_files import UntrustedPath
 from replicas.models import bf16_layer_ops
 from replicas.models.bf16_layer_ops import SOURCE, load_bf16_layer_ops
 from replicas.models.llama import RMSNorm, RotaryEmbedding
+from tests.native_kernel_support import why_not_built
 
 
-def _why_the_kernel_cannot_be_built():
-    try:
-        build("bf16_layer_ops", source=SOURCE)
-    except UntrustedPath:
-        return None
-    except RuntimeError as error:
-        return str(error)
-    return None
-
-
-WHY_NOT_BUILT = _why_the_kernel_cannot_be_built()
+WHY_NOT_BUILT = why_not_built("bf16_layer_ops", SOURCE)
 needs_kernel = pytest.mark.skipif(WHY_NOT_BUILT is not None, reason=str(WHY_NOT_BUILT))
 
 
