@@ -50,8 +50,8 @@ def count_tokens(metrics, num_prompt_tokens: int, num_output_tokens: int) -> Non
 class _Timing:
     """TTFT, ITL and TPOT of one choice's stream, into the ingress metrics.
 
-    NOTE: one Ray metric record per event (the ITL) and a few per stream: a
-    record costs more than formatting the event itself."""
+    NOTE: the ITL goes through the ingress's sampler (a Ray metric record costs
+    more than formatting the event itself); the rest is a few records per stream."""
 
     __slots__ = ("metrics", "started_at", "first_at", "last_at", "num_events")
 
@@ -72,7 +72,7 @@ class _Timing:
             if self.started_at is not None:
                 self.metrics.ttft_s.observe(now - self.started_at)
         else:
-            self.metrics.itl_s.observe(now - self.last_at)
+            self.metrics.itl_sample.observe(now - self.last_at, now)
         self.last_at = now
         self.num_events += 1
 

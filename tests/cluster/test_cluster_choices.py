@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -259,7 +260,11 @@ class _Recorded:
 def test_each_choice_has_its_own_itl_and_tpot_and_the_request_one_ttft():
     from types import SimpleNamespace
 
-    metrics = SimpleNamespace(ttft_s=_Recorded(), itl_s=_Recorded(), tpot_s=_Recorded(),
+    from cluster.metrics import SampledHistogram
+
+    itl_s = _Recorded()
+    metrics = SimpleNamespace(ttft_s=_Recorded(), itl_s=itl_s, tpot_s=_Recorded(),
+                              itl_sample=SampledHistogram(itl_s, now=time.monotonic()),
                               tokens_per_event=_Recorded(), count_tokens=lambda p, o: None)
     relays = _relays(pauses=(0.01, 0.01, 0.01))  # 3, 4 and 5 events of one token
 
