@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from replicas.attention.base import AttentionMetadata
-from replicas.attention.native_kernels import load_paged_decode_attention
+from replicas.attention.native_kernels import load_decode_input_check, load_paged_decode_attention
 from replicas.attention.torch_backend import TorchAttentionBackend
 
 
@@ -26,6 +26,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._kernels = {torch.float32: kernel,
                          torch.bfloat16: load_paged_decode_attention("bfloat16")[0]}
         self._bf16_io_kernel = load_paged_decode_attention("bfloat16_io")[0]
+        self._check_inputs = load_decode_input_check()[0]
 
     def _decode_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
@@ -56,10 +57,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         width = tables.shape[1]
-        # NOTE: length 0 is a padded row (a fixed-size batch): it reads nothing
-        if B and (int(lens.min()) < 0 or int(lens.max()) > width * bs):
+        # NOTE: length 0 is a padded row (a fixed-size batch): it reads nothing.
+        # Only the blocks a row reads must be in the cache (the rest is padding).
+        bad = self._check_inputs(tables.data_ptr(), lens.data_ptr(), B, bs, width, num_blocks)
+        if bad == 1:
             raise ValueError("a decode sequence length is outside its block table")
-        if B and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+        if bad:
             raise ValueError(f"a block id is outside the cache's {num_blocks} blocks")
         rc = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                     lens.data_ptr(), result.data_ptr(), B, h, kvh, d, bs, width, scale,

@@ -140,6 +140,19 @@ def load_paged_decode_attention(kv_dtype: str = "float32"):
     return decode_attention_function(lib, symbol[kv_dtype]), None
 
 
+def load_decode_input_check():
+    """(ctypes function, None): check_decode_inputs(tables, lens, B, bs, width,
+    num_blocks) -> 0, 1 (a length outside its table) or 2 (a block outside the
+    cache); or (None, why it is unavailable)."""
+    lib, problem = load_library("paged_decode_attention")
+    if lib is None:
+        return None, problem
+    fn = lib.check_decode_inputs
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
+    return fn, None
+
+
 def load_library(name: str, source: Path | None = None):
     """(ctypes library, None) for `csrc/<name>.c`, or `source`, or (None, why it is
     unavailable). Each library is loaded once per process."""

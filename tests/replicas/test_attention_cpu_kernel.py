@@ -200,6 +200,25 @@ def test_a_block_id_outside_the_cache_is_refused():
         CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
 
 
+def test_a_negative_length_or_block_id_is_refused():
+    q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 16, 16, [3, 20])
+    meta.decode_seq_lens[0] = -1
+    with pytest.raises(ValueError, match="outside its block table"):
+        CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+    q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 16, 16, [3, 20])
+    meta.decode_block_tables[0, 0] = -1
+    with pytest.raises(ValueError, match="outside the cache"):
+        CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+
+
+def test_table_entries_past_a_rows_blocks_are_not_read_so_not_checked():
+    q, k_cache, v_cache, meta = _decode_case(2, 4, 2, 16, 16, [3, 20])
+    ref = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+    meta.decode_block_tables[0, 1:] = k_cache.shape[0] + 7  # row 0 reads its first block only
+    got = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+    assert torch.equal(got, ref)
+
+
 def _mapped_file_at(address: int) -> str | None:
     """The file mapped into this process at `address` (/proc/self/maps), or None."""
     with open("/proc/self/maps") as f:

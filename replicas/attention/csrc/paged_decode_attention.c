@@ -188,6 +188,23 @@ static int run(attend_fn attend, const void *q, const char *k_cache, const char 
     return failed ? -1 : 0;
 }
 
+/* Whether the kernel may run on these tables: 0, or 1 when a row's length is
+ * negative or beyond its table (width * bs tokens), or 2 when a block a row reads
+ * (its first ceil(len / bs) entries) is outside the cache's num_blocks.
+ * NOTE: one pass in C, once per layer: the same checks as torch reductions were
+ * eight operator calls and four host syncs per layer. */
+int check_decode_inputs(const int32_t *block_tables, const int32_t *seq_lens, int64_t B,
+                        int64_t bs, int64_t table_width, int64_t num_blocks) {
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = seq_lens[b];
+        if (L < 0 || L > table_width * bs) return 1;
+        const int32_t *table = block_tables + b * table_width;
+        for (int64_t i = 0; i < (L + bs - 1) / bs; i++)
+            if (table[i] < 0 || table[i] >= num_blocks) return 2;
+    }
+    return 0;
+}
+
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int32_t *block_tables, const int32_t *seq_lens, float *out,
                            int64_t B, int64_t h, int64_t kvh, int64_t d, int64_t bs,
