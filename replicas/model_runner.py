@@ -22,6 +22,7 @@ from replicas.cuda_graphs import PendingHostCopy, build_decode_graphs, start_hos
 from replicas.kv_cache.kv_budget import GIB, num_kv_blocks
 from replicas.kv_cache.memory_profile import allocate_kv_caches, profile_cuda_memory
 from replicas.models.bf16_layer_ops import load_bf16_layer_ops
+from replicas.sampling.greedy import load_first_max
 from replicas.models.loader import load_model
 from replicas.models.model_config import ModelConfig
 from replicas.models.packed_linear import pack_linears
@@ -70,9 +71,11 @@ class ModelRunner:
                                 max_model_len + config.num_scheduler_steps + 1)
         if self.device.type == "cpu":
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 256))
-        if self.device.type == "cpu" and config.dtype == "bfloat16":
+        if self.device.type == "cpu":
             # NOTE: built (or read from the cache) here, not in the first request's step
-            load_bf16_layer_ops()
+            load_first_max()
+            if config.dtype == "bfloat16":
+                load_bf16_layer_ops()
         self.backend = _select_backend(config, self.device)
         logger.info("attention backend: %s", self.backend.name)
         mc = self.model_config

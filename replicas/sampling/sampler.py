@@ -39,6 +39,7 @@ import torch
 from replicas.sampling.candidates import (CandidatePlan, RowParams, plan_candidates,
                                          top_k_rows_draw, top_p_rows_draw)
 from replicas.sampling.inverse_cdf import inverse_cdf_draw_no_sync
+from replicas.sampling.greedy import greedy_tokens
 from replicas.request import Request
 
 _NEG_INF = float("-inf")
@@ -346,14 +347,14 @@ def _sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tens
     raw_logits = logits
     logits = adjusted_logits(logits, sb)
     if sb.all_greedy:
-        sampled = logits.argmax(dim=-1)
+        sampled = greedy_tokens(logits)
     else:
         if sb.candidates is not None:
             sampled = _draw_from_candidates(logits, sb)
         else:
             sampled = _draw_no_sync(sampling_probs(logits, sb), sb)
         if sb.any_greedy:
-            sampled = torch.where(sb.greedy_rows, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(sb.greedy_rows, greedy_tokens(logits), sampled)
     if sb.output_counts is not None:
         sb.output_counts.scatter_add_(1, sampled.unsqueeze(1),
                                       torch.ones_like(sampled, dtype=torch.float32).unsqueeze(1))
