@@ -22,7 +22,6 @@ import torch
 
 from replicas.attention.base import AttentionBackend, AttentionMetadata
 from replicas.config import EngineConfig
-from replicas.kv_cache.huge_pages import advise_huge_pages
 from replicas.kv_cache.kv_budget import DeviceMemory
 from replicas.models.model_config import ModelConfig
 
@@ -34,19 +33,11 @@ def allocate_kv_caches(num_blocks: int, block_size: int, model_config: ModelConf
     """Per layer, K and V of shape (num_blocks, block_size, num_kv_heads, head_dim)."""
     mc = model_config
     shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
-    return [(_zeroed_cache(shape, dtype, device), _zeroed_cache(shape, dtype, device))
+    # NOTE: zeros, not empty: masked-out slots still meet the softmax weights,
+    # and 0 * NaN garbage would poison the output.
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(mc.num_layers)]
-
-
-def _zeroed_cache(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """NOTE: zeros, not empty: masked-out slots still meet the softmax weights, and
-    0 * NaN garbage would poison the output. On CPU the pages are advised huge
-    before the zeros touch them (replicas/kv_cache/huge_pages.py)."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    cache = torch.empty(shape, dtype=dtype)
-    advise_huge_pages(cache)
-    return cache.zero_()
 
 
 def profile_step_inputs(num_tokens: int, num_seqs: int, block_size: int, device: torch.device):
