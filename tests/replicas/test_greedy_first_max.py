@@ -78,3 +78,10 @@ def test_what_the_kernel_does_not_take_goes_to_torch(monkeypatch):
 
 def test_zero_rows():
     assert greedy_tokens(torch.empty(0, 10)).shape == (0,)
+
+
+def test_without_the_kernel_greedy_is_torch_argmax(monkeypatch):
+    monkeypatch.setattr(greedy, "_kernel", None)
+    x = torch.randn(4, 300)
+    x[1, 7] = NAN
+    assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
