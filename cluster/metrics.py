@@ -26,8 +26,8 @@ _LATENCY_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5
 _TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 
-# NOTE: a few hundred records a second keep any quantile's estimate within a
-# bucket of the truth within a scrape interval, at well under 0.1% of a core.
+# NOTE: 200 records a second give each 15 s scrape interval 3,000 values for its
+# quantiles, at under 0.1% of a core (a record costs about 2 us).
 ITL_RECORDS_PER_S = 200
 
 
