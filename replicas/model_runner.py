@@ -71,7 +71,6 @@ class ModelRunner:
                                 max_model_len + config.num_scheduler_steps + 1)
         if self.device.type == "cpu":
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 256))
-        if self.device.type == "cpu":
             # NOTE: built (or read from the cache) here, not in the first request's step
             load_first_max()
             if config.dtype == "bfloat16":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -20,26 +19,25 @@ logger = logging.getLogger("stepstream")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "first_max.c"
 
-_lock = threading.Lock()
 _kernel = None
 _problem: str | None = None
 
 
 def load_first_max():
     """(ctypes function, None), or (None, why the kernel is unavailable). Loaded once
-    per process; the engine loads it at start so no request waits for the build."""
+    per process (`load_library`); the engine loads it at start so no request waits
+    for the build."""
     global _kernel, _problem
-    with _lock:
-        if _kernel is None and _problem is None:
-            lib, _problem = load_library("first_max", SOURCE)
-            if lib is not None:
-                fn = lib.first_max_rows
-                fn.restype = None
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_int]
-                _kernel = fn
-            else:
-                logger.warning("greedy sampling uses torch.argmax: %s", _problem)
+    if _kernel is None and _problem is None:
+        lib, _problem = load_library("first_max", SOURCE)
+        if lib is None:
+            logger.warning("greedy sampling uses torch.argmax: %s", _problem)
+        else:
+            fn = lib.first_max_rows
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_int]
+            _kernel = fn
     return _kernel, _problem
 
 
