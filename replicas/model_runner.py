@@ -179,13 +179,14 @@ class ModelRunner:
         grammars = GrammarBatch.from_rows(inputs.sampled_rows, self.model_config.vocab_size,
                                           self.device)
         pending: PendingHostCopy | None = None
+        # NOTE: one buffer for the window: each step's logits are sampled before the next forward
+        logits_out = self._logits_buffer(len(inputs.logits_indices))
         for step in range(sched.num_steps):
             if bucket is not None:
                 logits = graphs.replay(bucket, inputs.meta.num_decodes)
             else:
                 logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                    self.backend, inputs.logits_indices,
-                                    self._logits_buffer(len(inputs.logits_indices)))
+                                    self.backend, inputs.logits_indices, logits_out)
             if grammars is not None:
                 # NOTE: constrained rows keep the window: their masks need the previous
                 # step's tokens, so that step's host sync moves before this sampling

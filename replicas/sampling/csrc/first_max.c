@@ -16,7 +16,9 @@
 
 static inline int is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
 
-static int64_t first_max(const float *row, const uint32_t *bits, int64_t cols) {
+static int64_t first_max(const char *start, int64_t cols) {
+    const float *row = (const float *)start;
+    const uint32_t *bits = (const uint32_t *)start;
     float m = row[0];
     uint32_t any_nan = 0;
     for (int64_t i = 0; i < cols; i++) {
@@ -37,7 +39,7 @@ void first_max_rows(const void *logits, int64_t rows, int64_t cols, int64_t *out
                     int num_threads) {
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const char *row = (const char *)logits + r * cols * 4;
-        out[r] = cols > 0 ? first_max((const float *)row, (const uint32_t *)row, cols) : 0;
+        /* NOTE: cols >= 1: greedy.py sends empty rows to torch */
+        out[r] = first_max((const char *)logits + r * cols * 4, cols);
     }
 }
