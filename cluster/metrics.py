@@ -39,8 +39,9 @@ class SampledHistogram:
     Why: one Ray record costs about as much as formatting and writing the event it
     measures (a few percent of the ingress's CPU at one record per event per stream).
     Every k-th value (not the first `max_per_s` of each second) spreads the sample
-    over streams and over time, so quantiles and the mean (`_sum / _count`) keep
-    their meaning; `_count` is the sample's size, not the number of events."""
+    over each second; the first second of a burst is recorded in full (k is learnt
+    from it), and each ingress replica has its own k. `_count` is the sample's
+    size, not the number of events."""
 
     __slots__ = ("_histogram", "_max_per_s", "_every", "_since_record", "_window_start",
                  "_window_values")

@@ -10,12 +10,12 @@ from replicas.sampling.greedy import SOURCE, greedy_tokens, load_first_max
 from tests.native_kernel_support import why_not_built
 
 WHY_NOT_BUILT = why_not_built("first_max", SOURCE)
-pytestmark = pytest.mark.skipif(WHY_NOT_BUILT is not None, reason=f"{WHY_NOT_BUILT}")
+needs_kernel = pytest.mark.skipif(WHY_NOT_BUILT is not None, reason=f"{WHY_NOT_BUILT}")
 
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def kernel_loaded():
     fn, why = load_first_max()
     assert fn is not None, why
@@ -27,12 +27,14 @@ def _same_as_torch(logits: torch.Tensor) -> None:
     assert torch.equal(got, logits.argmax(dim=-1)), (got, logits.argmax(dim=-1))
 
 
+@needs_kernel
 @pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 7), (64, 8192), (256, 49152 // 8), (5, 49152)])
-def test_random_logits(rows, vocab):
+def test_random_logits(rows, vocab, kernel_loaded):
     _same_as_torch(torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows)))
 
 
-def test_ties_take_the_first_and_minus_zero_equals_zero():
+@needs_kernel
+def test_ties_take_the_first_and_minus_zero_equals_zero(kernel_loaded):
     x = torch.zeros(4, 33)
     x[0, 5] = x[0, 9] = 2.0
     x[1, 0] = -0.0  # every entry is zero: the first
@@ -43,7 +45,8 @@ def test_ties_take_the_first_and_minus_zero_equals_zero():
     _same_as_torch(x)
 
 
-def test_nan_wins_as_in_torch_and_infinities_and_masked_rows_are_exact():
+@needs_kernel
+def test_nan_wins_as_in_torch_and_infinities_and_masked_rows_are_exact(kernel_loaded):
     x = torch.randn(6, 100)
     x[0, 40] = NAN
     x[0, 60] = NAN
@@ -56,7 +59,8 @@ def test_nan_wins_as_in_torch_and_infinities_and_masked_rows_are_exact():
     _same_as_torch(x)
 
 
-def test_a_large_logit_after_many_masked_entries():
+@needs_kernel
+def test_a_large_logit_after_many_masked_entries(kernel_loaded):
     x = torch.full((2, 49152), -INF)
     x[0, 49151] = -1e30
     x[1, 12345] = 3.0
@@ -64,7 +68,8 @@ def test_a_large_logit_after_many_masked_entries():
     _same_as_torch(x)
 
 
-def test_what_the_kernel_does_not_take_goes_to_torch(monkeypatch):
+@needs_kernel
+def test_what_the_kernel_does_not_take_goes_to_torch(monkeypatch, kernel_loaded):
     calls = []
     real = greedy._kernel
     monkeypatch.setattr(greedy, "_kernel", lambda *a: calls.append(a) or real(*a))
@@ -76,7 +81,8 @@ def test_what_the_kernel_does_not_take_goes_to_torch(monkeypatch):
     assert len(calls) == 1
 
 
-def test_zero_rows():
+@needs_kernel
+def test_zero_rows(kernel_loaded):
     assert greedy_tokens(torch.empty(0, 10)).shape == (0,)
 
 
