@@ -14,7 +14,10 @@ from deltas.types import OutputKind
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
-CPU_KV_CACHE_GIB = 1.0  # the KV cache on CPU when kv_cache_gib is None
+# The KV cache on CPU when kv_cache_gib is None: this many GiB, but no more than this
+# share of the host memory still available at start-up (replicas/kv_cache/kv_budget.py).
+CPU_KV_CACHE_GIB = 4.0
+CPU_KV_CACHE_MEMORY_SHARE = 0.25
 
 
 class InvalidValue(ValueError):
@@ -239,9 +242,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     block_size: int = 16
     # KV budget (replicas/kv_cache/kv_budget.py): a fixed number of blocks wins. Else on CPU
-    # kv_cache_gib (None: CPU_KV_CACHE_GIB); on CUDA what gpu_memory_utilization of
-    # the device's memory leaves after the weights, the peak of a profiling forward
-    # and the sampler's headroom, at most kv_cache_gib when set (None: no cap).
+    # kv_cache_gib (None: CPU_KV_CACHE_GIB, at most a share of the memory available); on
+    # CUDA what gpu_memory_utilization of the device's memory leaves after the weights,
+    # the peak of a profiling forward and the sampler's headroom, at most kv_cache_gib
+    # when set (None: no cap).
     num_kv_blocks: int | None = None
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.9

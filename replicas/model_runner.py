@@ -20,6 +20,7 @@ from replicas.attention.base import AttentionBackend, AttentionMetadata
 from replicas.config import EngineConfig
 from replicas.cuda_graphs import PendingHostCopy, build_decode_graphs, start_host_copy
 from replicas.kv_cache.kv_budget import GIB, num_kv_blocks
+from replicas.kv_cache.host_memory import available_host_bytes
 from replicas.kv_cache.memory_profile import allocate_kv_caches, profile_cuda_memory
 from replicas.models.bf16_layer_ops import load_bf16_layer_ops
 from replicas.sampling.greedy import load_first_max
@@ -79,12 +80,15 @@ class ModelRunner:
         logger.info("attention backend: %s", self.backend.name)
         mc = self.model_config
         # CUDA: the KV cache gets the memory left after the weights and the largest
-        # step (replicas/kv_cache/kv_budget.py); CPU: kv_cache_gib.
+        # step (replicas/kv_cache/kv_budget.py); CPU: kv_cache_gib, or a default
+        # bounded by the host memory still free.
         device_memory = None
         if self.device.type == "cuda" and config.num_kv_blocks is None:
             device_memory = profile_cuda_memory(self.model, self.backend, config, mc, self.device,
                                                 max_model_len)
-        self.num_blocks = num_kv_blocks(config, mc, max_model_len, device_memory)
+        self.num_blocks = num_kv_blocks(
+            config, mc, max_model_len, device_memory,
+            available_host_bytes() if self.device.type == "cpu" else None)
         self.kv_caches = allocate_kv_caches(self.num_blocks, self.block_size, mc,
                                             getattr(torch, config.dtype), self.device)
         if device_memory is not None:
@@ -93,6 +97,10 @@ class ModelRunner:
                         sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / GIB,
                         config.gpu_memory_utilization, device_memory.total_bytes / GIB,
                         device_memory.peak_used_bytes / GIB, config.kv_cache_gib)
+        else:
+            logger.info("KV cache: %d blocks, %.2f GiB (kv_cache_gib %s)", self.num_blocks,
+                        sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / GIB,
+                        config.kv_cache_gib)
         # CUDA only: decode steps replay captured graphs (None elsewhere), and each
         # step's host copy overlaps the next step (see execute).
         self.decode_graphs = build_decode_graphs(config, self.model, self.kv_caches, self.backend,

@@ -3,7 +3,8 @@ block manager built over them.
 
 `num_kv_blocks` sizes the cache from the settings and the model's shape (the
 model runner allocates that many): `num_kv_blocks` when set; else on CPU
-`kv_cache_gib` (None: CPU_KV_CACHE_GIB); else on CUDA what
+`kv_cache_gib` (None: `cpu_kv_cache_bytes`, CPU_KV_CACHE_GIB but at most a share of
+the host memory still available: replicas/kv_cache/host_memory.py); else on CUDA what
 `gpu_memory_utilization` of the device's memory leaves after the peak the engine
 reached without a KV cache (`DeviceMemory`, measured by replicas/kv_cache/memory_profile.py:
 the weights, one forward at max_num_batched_tokens, and memory outside torch:
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from replicas.kv_cache.block_manager import BlockManager
-from replicas.config import CPU_KV_CACHE_GIB, EngineConfig
+from replicas.config import CPU_KV_CACHE_GIB, CPU_KV_CACHE_MEMORY_SHARE, EngineConfig
 from replicas.models.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -89,12 +90,24 @@ def num_gpu_kv_blocks(memory: DeviceMemory, gpu_memory_utilization: float, block
     return budget // block_bytes
 
 
+def cpu_kv_cache_bytes(available_bytes: int | None) -> int:
+    """The CPU cache when kv_cache_gib is None: CPU_KV_CACHE_GIB, but no more than
+    CPU_KV_CACHE_MEMORY_SHARE of `available_bytes` (the host memory still free at
+    start-up; None: unknown), so that replicas started one after another on a node
+    each leave the next room."""
+    default = int(CPU_KV_CACHE_GIB * GIB)
+    if available_bytes is None:
+        return default
+    return min(default, int(available_bytes * CPU_KV_CACHE_MEMORY_SHARE))
+
+
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                  device_memory: DeviceMemory | None = None) -> int:
+                  device_memory: DeviceMemory | None = None,
+                  host_available_bytes: int | None = None) -> int:
     """`num_kv_blocks` when set; else the GPU budget when `device_memory` is given
-    (CUDA), or as many blocks as `kv_cache_gib` holds (CPU); but no more than
-    `max_num_seqs` full-length sequences can use. `config.dtype` is the resolved
-    one (not auto)."""
+    (CUDA), or as many blocks as `kv_cache_gib` holds (CPU; None:
+    `cpu_kv_cache_bytes(host_available_bytes)`); but no more than `max_num_seqs`
+    full-length sequences can use. `config.dtype` is the resolved one (not auto)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     block_bytes = bytes_per_block(config, model_config)
@@ -104,7 +117,8 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_model_len
                                    sampler_headroom_bytes(config.max_num_seqs, model_config.vocab_size),
                                    cap_bytes)
     else:
-        budget = (cap_bytes if cap_bytes is not None else int(CPU_KV_CACHE_GIB * GIB)) // block_bytes
+        budget = (cap_bytes if cap_bytes is not None
+                  else cpu_kv_cache_bytes(host_available_bytes)) // block_bytes
     per_seq = blocks_per_sequence(max_model_len, config.num_scheduler_steps, config.block_size)
     return max(1, min(budget, per_seq * config.max_num_seqs))
 

@@ -1,11 +1,15 @@
-"""KV sizing: explicit blocks win; on CPU the GiB budget; on CUDA the utilization's share of
+"""KV sizing: explicit blocks win; on CPU the GiB budget (by default bounded by the memory
+available); on CUDA the utilization's share of
 device memory less the measured peak and the sampler's headroom, kv_cache_gib a cap; never
 more than max_num_seqs sequences use."""
 import pytest
 
 from replicas.config import EngineConfig
+from replicas.kv_cache.host_memory import (available_host_bytes, cgroup_available_bytes,
+                                           meminfo_available_bytes)
 from replicas.kv_cache.kv_budget import (SAMPLER_BYTES_PER_LOGIT, DeviceMemory, blocks_per_sequence,
-                                         make_block_manager, num_gpu_kv_blocks, num_kv_blocks)
+                                         cpu_kv_cache_bytes, make_block_manager, num_gpu_kv_blocks,
+                                         num_kv_blocks)
 from replicas.models.model_config import ModelConfig
 
 MC = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
@@ -41,11 +45,33 @@ GIB = 2**30
 BLOCK_BYTES = 8 * 1024
 
 
-def test_cpu_keeps_one_gib_by_default_and_kv_cache_gib_when_set():
+def test_cpu_keeps_four_gib_by_default_and_kv_cache_gib_when_set():
     default = EngineConfig(dtype="float32", max_num_seqs=4096)
     assert default.kv_cache_gib is None
-    assert num_kv_blocks(default, MC, 512) == num_kv_blocks(
-        EngineConfig(dtype="float32", max_num_seqs=4096, kv_cache_gib=1.0), MC, 512) == GIB // BLOCK_BYTES
+    assert num_kv_blocks(default, MC, 4096) == num_kv_blocks(
+        EngineConfig(dtype="float32", max_num_seqs=4096, kv_cache_gib=4.0), MC, 4096) == 4 * GIB // BLOCK_BYTES
+    # kv_cache_gib is the user's word: the memory available does not shrink it
+    assert num_kv_blocks(EngineConfig(dtype="float32", max_num_seqs=4096, kv_cache_gib=1.0), MC, 512,
+                         host_available_bytes=GIB) == GIB // BLOCK_BYTES
+
+
+def test_the_cpu_default_takes_at_most_a_quarter_of_the_memory_available():
+    assert cpu_kv_cache_bytes(None) == 4 * GIB
+    assert cpu_kv_cache_bytes(64 * GIB) == 4 * GIB
+    assert cpu_kv_cache_bytes(6 * GIB) == 6 * GIB // 4
+    default = EngineConfig(dtype="float32", max_num_seqs=4096)
+    assert num_kv_blocks(default, MC, 512, host_available_bytes=2 * GIB) == GIB // 2 // BLOCK_BYTES
+
+
+def test_host_memory_is_the_smaller_of_the_machines_and_its_containers():
+    assert meminfo_available_bytes("MemTotal: 100 kB\nMemAvailable:   2048 kB\n") == 2048 * 1024
+    assert meminfo_available_bytes("MemTotal: 100 kB\n") is None
+    assert cgroup_available_bytes(10 * GIB, 4 * GIB) == 6 * GIB
+    assert cgroup_available_bytes(2**63 - 4096, GIB) is None  # cgroup v1's "no limit"
+    assert cgroup_available_bytes(None, GIB) is None  # cgroup v2's "max"
+    assert cgroup_available_bytes(GIB, 2 * GIB) == 0
+    available = available_host_bytes()
+    assert available is None or available > 0
 
 
 @pytest.mark.parametrize("value", [0, 0.0, -0.1, 1.01, float("nan"), True, "0.9"])
