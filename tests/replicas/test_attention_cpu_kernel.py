@@ -52,8 +52,11 @@ def _decode_case(B, h, kvh, d, bs, lens, seed=0):
     return q, k_cache, v_cache, meta
 
 
+# NOTE: head size 64 with 1 to 4 q heads per KV head takes the AVX-512 P.V path where
+# the CPU has it; 8 per KV head, and other head sizes, the portable loops.
 @pytest.mark.parametrize("h,kvh,d,bs", [(4, 2, 64, 16), (4, 4, 32, 16), (8, 1, 64, 8), (6, 3, 16, 32),
-                                        (9, 3, 64, 16), (4, 2, 128, 16)])
+                                        (9, 3, 64, 16), (4, 2, 128, 16), (4, 4, 64, 16),
+                                        (8, 2, 64, 16)])
 def test_decode_matches_the_torch_backend(h, kvh, d, bs):
     # lengths at, below and above block edges, and a single token
     lens = [1, bs - 1, bs, bs + 1, 3 * bs, 5 * bs + 7, 2, 4 * bs - 1]
@@ -78,11 +81,13 @@ def test_bfloat16_caches_match_the_torch_backend_in_float32(h, kvh, d, bs):
     torch.testing.assert_close(got.float(), ref.bfloat16().float(), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("h,kvh,d,bs", [(9, 3, 64, 16), (4, 2, 128, 16), (6, 3, 16, 32)])
+@pytest.mark.parametrize("h,kvh,d,bs", [(9, 3, 64, 16), (4, 2, 128, 16), (6, 3, 16, 32),
+                                        (8, 2, 64, 16)])
 def test_bfloat16_q_and_output_are_the_float32_path_rounded(h, kvh, d, bs):
-    """bfloat16 q and output go through the kernel's own widening and narrowing: bit for
-    bit what widening q, running the float32-output kernel and rounding its output
-    gives (the copies the backend made before); a padded row still gets zeros."""
+    """bfloat16 q and output go through the kernel's own widening and narrowing: what
+    widening q, running the float32-output kernel and rounding its output gives (the
+    copies the backend made before), up to a bfloat16 rounding step where AVX512-BF16
+    dot products sum q.K in another order; a padded row still gets zeros."""
     lens = [1, bs - 1, 0, 3 * bs, 5 * bs + 7]
     q, k_cache, v_cache, meta = _decode_case(len(lens), h, kvh, d, bs, lens)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
@@ -99,7 +104,7 @@ def test_bfloat16_q_and_output_are_the_float32_path_rounded(h, kvh, d, bs):
                     torch.empty(B, h, d, dtype=torch.float32))
     got = run(load_paged_decode_attention("bfloat16_io")[0], q,
               torch.full((B, h, d), 7.0, dtype=torch.bfloat16))
-    assert torch.equal(got, float_out.bfloat16())
+    torch.testing.assert_close(got.float(), float_out.bfloat16().float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(got[2], torch.zeros_like(got[2]))
     backend_out = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, scale)
     assert backend_out.dtype == torch.bfloat16 and torch.equal(backend_out, got)
