@@ -25,8 +25,8 @@
  * over a block's tokens (the portable loop loads and stores them once per token),
  * and with AVX512-BF16 a bfloat16 q (paged_decode_attention_bf16_io) meets bfloat16
  * K rows in dot-product instructions, without widening either (the products are
- * exact in float32, as the widened ones are). Other CPUs and head sizes take the
- * portable loops.
+ * exact in float32, as the widened ones are), four tokens at a time so that one
+ * reduction tree sums four scores. Other CPUs and head sizes take the portable loops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -90,6 +90,44 @@ static inline __attribute__((always_inline)) void pv_group64(
 }
 #endif
 
+
+#if defined(__AVX512BF16__)
+/* The sums of four 16-lane vectors, as four lanes: one reduction tree for all four
+ * instead of one per vector. */
+static inline __attribute__((always_inline)) __m128 sum4(__m512 a, __m512 b, __m512 c,
+                                                        __m512 d) {
+#define HALVES(x) _mm256_add_ps(_mm512_castps512_ps256(x), \
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))
+    const __m256 ab = _mm256_hadd_ps(HALVES(a), HALVES(b));
+    const __m256 cd = _mm256_hadd_ps(HALVES(c), HALVES(d));
+#undef HALVES
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* q.K for four tokens' rows of one KV group (bfloat16, head size 64): each q head's
+ * four scores land in st[hh * L .. + 3]. */
+static inline __attribute__((always_inline)) void qk4_group64(
+        const char *restrict kg, int64_t tok_bytes, const uint16_t *restrict qg, int64_t group,
+        float *restrict st, int64_t L, float scale) {
+    __m512bh k[4][2];
+    for (int t = 0; t < 4; t++) {
+        k[t][0] = (__m512bh)_mm512_loadu_si512((const void *)(kg + t * tok_bytes));
+        k[t][1] = (__m512bh)_mm512_loadu_si512((const void *)(kg + t * tok_bytes + 64));
+    }
+    const __m128 s = _mm_set1_ps(scale);
+    for (int64_t j = 0; j < group; j++) {
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512((const void *)(qg + j * 64));
+        const __m512bh q1 = (__m512bh)_mm512_loadu_si512((const void *)(qg + j * 64 + 32));
+        __m512 acc[4];
+        for (int t = 0; t < 4; t++)
+            acc[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, k[t][0]), q1,
+                                      k[t][1]);
+        _mm_storeu_ps(st + j * L, _mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), s));
+    }
+}
+#endif
+
 /* NOTE: always inlined into the (element type, head size) pairs below, so that with
  * both compile-time constants the compiler unrolls the head_dim loops into whole
  * vector registers. Heads are walked by KV group (each group's q heads read one K/V
@@ -116,7 +154,17 @@ static inline __attribute__((always_inline)) void attend_one_impl(
         const char *next = blk + 1 < num_blocks ? k_cache + (int64_t)table[blk + 1] * block_bytes
                                                 : v_cache + (int64_t)table[0] * block_bytes;
         const int64_t n = (blk + 1) * bs <= L ? bs : L - blk * bs;
-        for (int64_t u = 0; u < n; u++) {
+        int64_t u = 0;
+#if defined(__AVX512BF16__)
+        if (q16 != NULL && d == 64)
+            for (; u + 4 <= n; u += 4) {
+                prefetch(next + u * tok_bytes, u + 4 < n ? 4 * tok_bytes : (bs - u) * tok_bytes);
+                for (int64_t g = 0; g < kvh; g++)
+                    qk4_group64(kb + u * tok_bytes + g * d * elem, tok_bytes, q16 + g * group * 64,
+                                group, scores + g * group * L + blk * bs + u, L, scale);
+            }
+#endif
+        for (; u < n; u++) {
             const char *kt = kb + u * tok_bytes;
             prefetch(next + u * tok_bytes, u + 1 < n ? tok_bytes : (bs - u) * tok_bytes);
             float *st = scores + blk * bs + u;
