@@ -18,7 +18,7 @@ import typing
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from replicas.config import (ATTENTION_BACKENDS, CPU_KV_CACHE_GIB, CPU_KV_CACHE_MEMORY_SHARE,
-                             EngineConfig)
+                             CPU_KV_CACHE_MIN_GIB, EngineConfig)
 
 ENGINE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineConfig))
 _HINTS = typing.get_type_hints(EngineConfig)
@@ -36,9 +36,10 @@ _HELP = {
     "block_size": "tokens per KV cache block (a power of two)",
     "num_kv_blocks": "KV cache blocks; null: sized by kv_cache_gib or gpu_memory_utilization",
     "kv_cache_gib": f"KV cache in GiB: on CPU its size (null: {CPU_KV_CACHE_GIB:g} GiB, at most "
-                    f"{CPU_KV_CACHE_MEMORY_SHARE:.0%} of the memory available at start-up, and no "
-                    "more than max_num_seqs full-length sequences use); on CUDA a cap on what "
-                    "gpu_memory_utilization leaves (null: no cap)",
+                    f"{CPU_KV_CACHE_MEMORY_SHARE:.0%} of the memory available at start-up, at "
+                    f"least {CPU_KV_CACHE_MIN_GIB:g} GiB); on CUDA a cap on what "
+                    "gpu_memory_utilization leaves (null: no cap); never more than max_num_seqs "
+                    "full-length sequences use",
     "gpu_memory_utilization": "CUDA: the share of device memory for the weights, the largest "
                               "step, the sampler's headroom and the KV cache (what it leaves is "
                               "for CUDA graphs); the profile assumes flash-attn or our Triton "

@@ -102,8 +102,8 @@ def roofline(config, batch: int, dtype: torch.dtype) -> dict:
 
 
 def kv_cache_gib(config, batch: int, num_tokens: int, dtype: str) -> float:
-    """A cache that holds `batch` streams of `num_tokens` at once (the CPU default, 1 GiB,
-    holds 23k tokens of smollm2-135m in float32: fewer than 256 streams of 160)."""
+    """A cache that holds `batch` streams of `num_tokens` at once, whatever the CPU
+    default would be on the machine at hand (it depends on the memory available)."""
     per_token = bytes_per_block(EngineConfig(dtype=dtype, block_size=1), config)
     nbytes = per_token * batch * num_tokens
     return max(1.0, round(1.25 * nbytes / 2**30, 2))

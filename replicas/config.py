@@ -15,9 +15,11 @@ from deltas.types import OutputKind
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
 # The KV cache on CPU when kv_cache_gib is None: this many GiB, but no more than this
-# share of the host memory still available at start-up (replicas/kv_cache/kv_budget.py).
+# share of the host memory still available at start-up, and never less than the
+# floor (replicas/kv_cache/kv_budget.py).
 CPU_KV_CACHE_GIB = 4.0
 CPU_KV_CACHE_MEMORY_SHARE = 0.25
+CPU_KV_CACHE_MIN_GIB = 1.0
 
 
 class InvalidValue(ValueError):

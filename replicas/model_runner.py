@@ -86,9 +86,8 @@ class ModelRunner:
         if self.device.type == "cuda" and config.num_kv_blocks is None:
             device_memory = profile_cuda_memory(self.model, self.backend, config, mc, self.device,
                                                 max_model_len)
-        self.num_blocks = num_kv_blocks(
-            config, mc, max_model_len, device_memory,
-            available_host_bytes() if self.device.type == "cpu" else None)
+        host_available = available_host_bytes() if self.device.type == "cpu" else None
+        self.num_blocks = num_kv_blocks(config, mc, max_model_len, device_memory, host_available)
         self.kv_caches = allocate_kv_caches(self.num_blocks, self.block_size, mc,
                                             getattr(torch, config.dtype), self.device)
         if device_memory is not None:
@@ -97,10 +96,12 @@ class ModelRunner:
                         sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / GIB,
                         config.gpu_memory_utilization, device_memory.total_bytes / GIB,
                         device_memory.peak_used_bytes / GIB, config.kv_cache_gib)
-        else:
-            logger.info("KV cache: %d blocks, %.2f GiB (kv_cache_gib %s)", self.num_blocks,
+        elif self.device.type == "cpu":
+            logger.info("KV cache: %d blocks, %.2f GiB (kv_cache_gib %s; %s GiB of host memory "
+                        "available at start-up)", self.num_blocks,
                         sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / GIB,
-                        config.kv_cache_gib)
+                        config.kv_cache_gib, "unknown" if host_available is None
+                        else f"{host_available / GIB:.1f}")
         # CUDA only: decode steps replay captured graphs (None elsewhere), and each
         # step's host copy overlaps the next step (see execute).
         self.decode_graphs = build_decode_graphs(config, self.model, self.kv_caches, self.backend,

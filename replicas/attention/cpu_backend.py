@@ -42,7 +42,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise TypeError("the cpu attention backend runs float32 or bfloat16 caches, with "
                             f"q of the same dtype; got q {q.dtype}, caches {k_cache.dtype}, "
                             f"{v_cache.dtype}")
-        if dk != d or h % kvh or block_tables.shape[0] != B or seq_lens.shape[0] != B:
+        if dk != d or kvh < 1 or h < kvh or h % kvh or block_tables.shape[0] != B \
+                or seq_lens.shape[0] != B:
             raise ValueError("decode attention got inconsistent shapes")
         if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("decode attention needs contiguous output and caches")

@@ -4,7 +4,8 @@ block manager built over them.
 `num_kv_blocks` sizes the cache from the settings and the model's shape (the
 model runner allocates that many): `num_kv_blocks` when set; else on CPU
 `kv_cache_gib` (None: `cpu_kv_cache_bytes`, CPU_KV_CACHE_GIB but at most a share of
-the host memory still available: replicas/kv_cache/host_memory.py); else on CUDA what
+the host memory still available, replicas/kv_cache/host_memory.py, and at least a
+floor); else on CUDA what
 `gpu_memory_utilization` of the device's memory leaves after the peak the engine
 reached without a KV cache (`DeviceMemory`, measured by replicas/kv_cache/memory_profile.py:
 the weights, one forward at max_num_batched_tokens, and memory outside torch:
@@ -24,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from replicas.kv_cache.block_manager import BlockManager
-from replicas.config import CPU_KV_CACHE_GIB, CPU_KV_CACHE_MEMORY_SHARE, EngineConfig
+from replicas.config import (CPU_KV_CACHE_GIB, CPU_KV_CACHE_MEMORY_SHARE, CPU_KV_CACHE_MIN_GIB,
+                             EngineConfig)
 from replicas.models.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -93,12 +95,18 @@ def num_gpu_kv_blocks(memory: DeviceMemory, gpu_memory_utilization: float, block
 def cpu_kv_cache_bytes(available_bytes: int | None) -> int:
     """The CPU cache when kv_cache_gib is None: CPU_KV_CACHE_GIB, but no more than
     CPU_KV_CACHE_MEMORY_SHARE of `available_bytes` (the host memory still free at
-    start-up; None: unknown), so that replicas started one after another on a node
-    each leave the next room."""
+    start-up; None: unknown), and no less than CPU_KV_CACHE_MIN_GIB (the default
+    before, which fits the machines we serve on: a share of a full machine's memory
+    would otherwise leave no cache at all).
+
+    NOTE: replicas of a node that start together each see the same free memory, so
+    N of them may take N shares: past three engine replicas on a node, set
+    kv_cache_gib."""
     default = int(CPU_KV_CACHE_GIB * GIB)
     if available_bytes is None:
         return default
-    return min(default, int(available_bytes * CPU_KV_CACHE_MEMORY_SHARE))
+    return max(int(CPU_KV_CACHE_MIN_GIB * GIB),
+               min(default, int(available_bytes * CPU_KV_CACHE_MEMORY_SHARE)))
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_model_len: int,

@@ -6,7 +6,7 @@ import pytest
 
 from replicas.config import EngineConfig
 from replicas.kv_cache.host_memory import (available_host_bytes, cgroup_available_bytes,
-                                           meminfo_available_bytes)
+                                           meminfo_available_bytes, own_cgroup_paths, stat_value)
 from replicas.kv_cache.kv_budget import (SAMPLER_BYTES_PER_LOGIT, DeviceMemory, blocks_per_sequence,
                                          cpu_kv_cache_bytes, make_block_manager, num_gpu_kv_blocks,
                                          num_kv_blocks)
@@ -55,23 +55,31 @@ def test_cpu_keeps_four_gib_by_default_and_kv_cache_gib_when_set():
                          host_available_bytes=GIB) == GIB // BLOCK_BYTES
 
 
-def test_the_cpu_default_takes_at_most_a_quarter_of_the_memory_available():
+def test_the_cpu_default_takes_at_most_a_quarter_of_the_memory_available_and_at_least_1_gib():
     assert cpu_kv_cache_bytes(None) == 4 * GIB
     assert cpu_kv_cache_bytes(64 * GIB) == 4 * GIB
     assert cpu_kv_cache_bytes(6 * GIB) == 6 * GIB // 4
+    assert cpu_kv_cache_bytes(2 * GIB) == cpu_kv_cache_bytes(0) == GIB  # the old default
     default = EngineConfig(dtype="float32", max_num_seqs=4096)
-    assert num_kv_blocks(default, MC, 512, host_available_bytes=2 * GIB) == GIB // 2 // BLOCK_BYTES
+    assert num_kv_blocks(default, MC, 4096, host_available_bytes=6 * GIB) == 6 * GIB // 4 // BLOCK_BYTES
 
 
-def test_host_memory_is_the_smaller_of_the_machines_and_its_containers():
+def test_host_memory_is_the_smaller_of_the_machines_and_its_cgroups():
     assert meminfo_available_bytes("MemTotal: 100 kB\nMemAvailable:   2048 kB\n") == 2048 * 1024
     assert meminfo_available_bytes("MemTotal: 100 kB\n") is None
     assert cgroup_available_bytes(10 * GIB, 4 * GIB) == 6 * GIB
+    # file cache the kernel would reclaim (weights just read) is not used memory
+    assert cgroup_available_bytes(10 * GIB, 9 * GIB, reclaimable=5 * GIB) == 6 * GIB
     assert cgroup_available_bytes(2**63 - 4096, GIB) is None  # cgroup v1's "no limit"
     assert cgroup_available_bytes(None, GIB) is None  # cgroup v2's "max"
     assert cgroup_available_bytes(GIB, 2 * GIB) == 0
+    stat = "anon 5\ninactive_file 4096\ntotal_inactive_file 8192\n"
+    assert stat_value(stat, "inactive_file") == 4096 and stat_value(stat, "active_file") == 0
+    assert own_cgroup_paths("12:memory:/a/b\n3:cpu,cpuacct:/c\n0::/user.slice/x\n") == (
+        "/user.slice/x", "/a/b")
+    assert own_cgroup_paths("4:cpu,memory:/k\n") == (None, "/k")
     available = available_host_bytes()
-    assert available is None or available > 0
+    assert available is None or available >= 0
 
 
 @pytest.mark.parametrize("value", [0, 0.0, -0.1, 1.01, float("nan"), True, "0.9"])

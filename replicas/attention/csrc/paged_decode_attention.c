@@ -14,19 +14,23 @@
  * itself. Here each sequence's blocks are read in place, once for K and once for
  * V, each whole block (all KV heads) at a time, with the next block prefetched,
  * since blocks sit at random places and the hardware prefetcher cannot guess them.
- * A bfloat16 cache halves that traffic; its values widen to float32 as they load.
+ * A bfloat16 cache halves that traffic; its values widen to float32 as they load
+ * (but for q.K's dot-product instructions, below).
  *
  * One parallel task per sequence; the softmax is exact (max-subtracted, float32
  * accumulation), as SDPA computes it.
  *
  * Where the CPU has AVX-512 (the library is built with -march=native) and heads are
  * 64 wide, two paths are written with intrinsics, since the compiler's own code
- * spent most of its time elsewhere: P.V keeps a KV group's output rows in registers
- * over a block's tokens (the portable loop loads and stores them once per token),
- * and with AVX512-BF16 a bfloat16 q (paged_decode_attention_bf16_io) meets bfloat16
- * K rows in dot-product instructions, without widening either (the products are
- * exact in float32, as the widened ones are), four tokens at a time so that one
- * reduction tree sums four scores. Other CPUs and head sizes take the portable loops.
+ * spent most of its time elsewhere: P.V keeps up to four q heads' output rows in
+ * registers over a block's tokens (the portable loop loads and stores them once per
+ * token), and with AVX512-BF16 a bfloat16 q (paged_decode_attention_bf16_io) meets
+ * bfloat16 K rows in dot-product instructions, without widening either, four tokens
+ * at a time so that one reduction tree sums four scores. The products are exact in
+ * float32, as the widened ones are, but for denormal bfloat16 values, which the
+ * instruction reads as zeros; a block's last n % 4 tokens take a reduction of their
+ * own, so a score's last bit may differ from the four-token one. Other CPUs and head
+ * sizes take the portable loops; prefetching is the same on every CPU.
  */
 #include <math.h>
 #include <stdint.h>
@@ -156,7 +160,7 @@ static inline __attribute__((always_inline)) void attend_one_impl(
         const int64_t n = (blk + 1) * bs <= L ? bs : L - blk * bs;
         int64_t u = 0;
 #if defined(__AVX512BF16__)
-        if (q16 != NULL && d == 64)
+        if (bf16 && q16 != NULL && d == 64)
             for (; u + 4 <= n; u += 4) {
                 prefetch(next + u * tok_bytes, u + 4 < n ? 4 * tok_bytes : (bs - u) * tok_bytes);
                 for (int64_t g = 0; g < kvh; g++)
@@ -169,7 +173,7 @@ static inline __attribute__((always_inline)) void attend_one_impl(
             prefetch(next + u * tok_bytes, u + 1 < n ? tok_bytes : (bs - u) * tok_bytes);
             float *st = scores + blk * bs + u;
 #if defined(__AVX512BF16__)
-            if (q16 != NULL && d == 64) {
+            if (bf16 && q16 != NULL && d == 64) {
                 for (int64_t g = 0; g < kvh; g++) {
                     const char *kh = kt + g * d * elem;
                     const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)kh);
@@ -215,17 +219,20 @@ static inline __attribute__((always_inline)) void attend_one_impl(
                                                 : NULL;
         const int64_t n = (blk + 1) * bs <= L ? bs : L - blk * bs;
 #if defined(__AVX512F__)
-        if (d == 64 && group <= 4) {
+        if (d == 64 && group >= 1) {
+            /* up to four of a group's q heads at a time in registers */
             for (int64_t g = 0; g < kvh; g++) {
-                const char *pf = g == 0 ? next : NULL;
                 const char *vg = vb + g * d * elem;
-                const float *pg = scores + g * group * L + blk * bs;
-                float *og = out + g * group * d;
-                switch (group) {
-                    case 1: pv_group64(vg, n, tok_bytes, pg, L, og, pf, bs, 1, bf16); break;
-                    case 2: pv_group64(vg, n, tok_bytes, pg, L, og, pf, bs, 2, bf16); break;
-                    case 3: pv_group64(vg, n, tok_bytes, pg, L, og, pf, bs, 3, bf16); break;
-                    default: pv_group64(vg, n, tok_bytes, pg, L, og, pf, bs, 4, bf16); break;
+                for (int64_t j0 = 0; j0 < group; j0 += 4) {
+                    const char *pf = g == 0 && j0 == 0 ? next : NULL;
+                    const float *pg = scores + (g * group + j0) * L + blk * bs;
+                    float *og = out + (g * group + j0) * d;
+                    switch (group - j0 < 4 ? group - j0 : 4) {
+                        case 1: pv_group64(vg, n, tok_bytes, pg, L, og, pf, bs, 1, bf16); break;
+                        case 2: pv_group64(vg, n, tok_bytes, pg, L, og, pf, bs, 2, bf16); break;
+                        case 3: pv_group64(vg, n, tok_bytes, pg, L, og, pf, bs, 3, bf16); break;
+                        case 4: pv_group64(vg, n, tok_bytes, pg, L, og, pf, bs, 4, bf16); break;
+                    }
                 }
             }
             continue;

@@ -9,7 +9,8 @@
  * in a bfloat16 value (round to nearest even), so the results are torch's bit for
  * bit, except where float32 sums in another order (the RMSNorm mean) or exp and the
  * vectorised division differ in their last bit (SiLU): then an intermediate can round
- * one bfloat16 step away, and the product after it up to two.
+ * one bfloat16 step away, and the product after it up to two; and for denormals
+ * (below).
  *
  * Row-major, contiguous rows; rows split across `num_threads` OpenMP threads
  * (torch's pool: see replicas/attention/native_kernels.py).
