@@ -28,9 +28,9 @@
  * bfloat16 K rows in dot-product instructions, without widening either, four tokens
  * at a time so that one reduction tree sums four scores. The products are exact in
  * float32, as the widened ones are, but for denormal bfloat16 values, which the
- * instruction reads as zeros; a block's last n % 4 tokens take a reduction of their
- * own, so a score's last bit may differ from the four-token one. Other CPUs and head
- * sizes take the portable loops; prefetching is the same on every CPU.
+ * instruction reads as zeros; a block's last n % 4 tokens go one at a time, summed
+ * by the same reduction tree. Other CPUs and head sizes take the portable loops;
+ * prefetching is the same on every CPU.
  */
 #include <math.h>
 #include <stdint.h>
@@ -185,7 +185,9 @@ static inline __attribute__((always_inline)) void attend_one_impl(
                         const __m512bh q1 = (__m512bh)_mm512_loadu_si512((const void *)(qh + 32));
                         const __m512 acc = _mm512_dpbf16_ps(
                             _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, k0), q1, k1);
-                        st[hh * L] = _mm512_reduce_add_ps(acc) * scale;
+                        /* NOTE: the four-token path's tree, so that a score does not
+                         * depend on whether its token fell in a group of four */
+                        st[hh * L] = _mm_cvtss_f32(sum4(acc, acc, acc, acc)) * scale;
                     }
                 }
                 continue;
