@@ -90,18 +90,16 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(config, mc, max_model_len, device_memory, host_available)
         self.kv_caches = allocate_kv_caches(self.num_blocks, self.block_size, mc,
                                             getattr(torch, config.dtype), self.device)
+        kv_gib = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / GIB
         if device_memory is not None:
             logger.info("KV cache: %d blocks, %.2f GiB (gpu_memory_utilization %g of %.2f GiB, "
-                        "%.2f GiB used without it, kv_cache_gib cap %s)", self.num_blocks,
-                        sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / GIB,
+                        "%.2f GiB used without it, kv_cache_gib cap %s)", self.num_blocks, kv_gib,
                         config.gpu_memory_utilization, device_memory.total_bytes / GIB,
                         device_memory.peak_used_bytes / GIB, config.kv_cache_gib)
         elif self.device.type == "cpu":
             logger.info("KV cache: %d blocks, %.2f GiB (kv_cache_gib %s; %s GiB of host memory "
-                        "available at start-up)", self.num_blocks,
-                        sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / GIB,
-                        config.kv_cache_gib, "unknown" if host_available is None
-                        else f"{host_available / GIB:.1f}")
+                        "available at start-up)", self.num_blocks, kv_gib, config.kv_cache_gib,
+                        "unknown" if host_available is None else f"{host_available / GIB:.1f}")
         # CUDA only: decode steps replay captured graphs (None elsewhere), and each
         # step's host copy overlaps the next step (see execute).
         self.decode_graphs = build_decode_graphs(config, self.model, self.kv_caches, self.backend,

@@ -94,7 +94,6 @@ static inline __attribute__((always_inline)) void pv_group64(
 }
 #endif
 
-
 #if defined(__AVX512BF16__)
 /* The sums of four 16-lane vectors, as four lanes: one reduction tree for all four
  * instead of one per vector. */
@@ -109,13 +108,14 @@ static inline __attribute__((always_inline)) __m128 sum4(__m512 a, __m512 b, __m
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-/* q.K for four tokens' rows of one KV group (bfloat16, head size 64): each q head's
- * four scores land in st[hh * L .. + 3]. */
-static inline __attribute__((always_inline)) void qk4_group64(
+/* q.K for T (4 or 1) tokens' rows of one KV group (bfloat16, head size 64): each q
+ * head's T scores land in st[hh * L .. + T - 1], summed by one tree either way, so a
+ * score does not depend on whether its token fell in a group of four. */
+static inline __attribute__((always_inline)) void qk_group64(
         const char *restrict kg, int64_t tok_bytes, const uint16_t *restrict qg, int64_t group,
-        float *restrict st, int64_t L, float scale) {
+        float *restrict st, int64_t L, float scale, const int T) {
     __m512bh k[4][2];
-    for (int t = 0; t < 4; t++) {
+    for (int t = 0; t < T; t++) {
         k[t][0] = (__m512bh)_mm512_loadu_si512((const void *)(kg + t * tok_bytes));
         k[t][1] = (__m512bh)_mm512_loadu_si512((const void *)(kg + t * tok_bytes + 64));
     }
@@ -124,10 +124,13 @@ static inline __attribute__((always_inline)) void qk4_group64(
         const __m512bh q0 = (__m512bh)_mm512_loadu_si512((const void *)(qg + j * 64));
         const __m512bh q1 = (__m512bh)_mm512_loadu_si512((const void *)(qg + j * 64 + 32));
         __m512 acc[4];
-        for (int t = 0; t < 4; t++)
+        for (int t = 0; t < T; t++)
             acc[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, k[t][0]), q1,
                                       k[t][1]);
-        _mm_storeu_ps(st + j * L, _mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), s));
+        if (T == 4)
+            _mm_storeu_ps(st + j * L, _mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), s));
+        else
+            st[j * L] = _mm_cvtss_f32(sum4(acc[0], acc[0], acc[0], acc[0])) * scale;
     }
 }
 #endif
@@ -164,8 +167,8 @@ static inline __attribute__((always_inline)) void attend_one_impl(
             for (; u + 4 <= n; u += 4) {
                 prefetch(next + u * tok_bytes, u + 4 < n ? 4 * tok_bytes : (bs - u) * tok_bytes);
                 for (int64_t g = 0; g < kvh; g++)
-                    qk4_group64(kb + u * tok_bytes + g * d * elem, tok_bytes, q16 + g * group * 64,
-                                group, scores + g * group * L + blk * bs + u, L, scale);
+                    qk_group64(kb + u * tok_bytes + g * d * elem, tok_bytes, q16 + g * group * 64,
+                               group, scores + g * group * L + blk * bs + u, L, scale, 4);
             }
 #endif
         for (; u < n; u++) {
@@ -174,22 +177,9 @@ static inline __attribute__((always_inline)) void attend_one_impl(
             float *st = scores + blk * bs + u;
 #if defined(__AVX512BF16__)
             if (bf16 && q16 != NULL && d == 64) {
-                for (int64_t g = 0; g < kvh; g++) {
-                    const char *kh = kt + g * d * elem;
-                    const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)kh);
-                    const __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(kh + 64));
-                    for (int64_t j = 0; j < group; j++) {
-                        const int64_t hh = g * group + j;
-                        const uint16_t *qh = q16 + hh * 64;
-                        const __m512bh q0 = (__m512bh)_mm512_loadu_si512((const void *)qh);
-                        const __m512bh q1 = (__m512bh)_mm512_loadu_si512((const void *)(qh + 32));
-                        const __m512 acc = _mm512_dpbf16_ps(
-                            _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, k0), q1, k1);
-                        /* NOTE: the four-token path's tree, so that a score does not
-                         * depend on whether its token fell in a group of four */
-                        st[hh * L] = _mm_cvtss_f32(sum4(acc, acc, acc, acc)) * scale;
-                    }
-                }
+                for (int64_t g = 0; g < kvh; g++)
+                    qk_group64(kt + g * d * elem, tok_bytes, q16 + g * group * 64, group,
+                               st + g * group * L, L, scale, 1);
                 continue;
             }
 #endif
