@@ -130,24 +130,21 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I,
         const uint16_t *g = gate_up + t * 2 * I;
         const uint16_t *u = g + I;
         uint16_t *o = out + t * I;
-#if VEC
         /* NOTE: SiLU in float32 by the compiler's own vector loop (glibc's vector
-         * expf), a chunk at a time into scratch; the roundings and the product in
-         * vector instructions */
+         * expf), a chunk at a time into scratch; with AVX512-BF16 the roundings and
+         * the product in vector instructions */
         float silu[SILU_CHUNK];
         for (int64_t i0 = 0; i0 < I; i0 += SILU_CHUNK) {
             const int64_t n = I - i0 < SILU_CHUNK ? I - i0 : SILU_CHUNK;
             for (int64_t i = 0; i < n; i++) silu[i] = silu_of(widen(g[i0 + i]));
             int64_t i = 0;
+#if VEC
             for (; i + VEC <= n; i += VEC)
                 store16(o + i0 + i, _mm512_mul_ps(round16(_mm512_loadu_ps(silu + i)),
                                                   widen16(u + i0 + i)));
+#endif
             for (; i < n; i++) o[i0 + i] = narrow(widen(narrow(silu[i])) * widen(u[i0 + i]));
         }
-#else
-        for (int64_t i = 0; i < I; i++)
-            o[i] = narrow(widen(narrow(silu_of(widen(g[i])))) * widen(u[i]));
-#endif
     }
 }
 
