@@ -21,6 +21,7 @@ a request whose `Host` header is not a loopback name or address is refused
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import os
@@ -70,9 +71,12 @@ def check_access(host: str | None, has_key: bool, allow_unauthenticated: bool) -
             "reach it (allow_unauthenticated: true).")
 
 
+@functools.lru_cache(maxsize=64)
 def is_loopback_host_header(value: str | None) -> bool:
     """A `Host` header naming this machine's loopback (`localhost`, 127.x.y.z,
-    `[::1]`), with or without a port. Anything else, or none, is not."""
+    `[::1]`), with or without a port. Anything else, or none, is not.
+
+    NOTE: cached: it runs for every request, and its clients send a few values."""
     if not value:
         return False
     host = value.strip().lower()

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from cluster.api.access import (API_KEY_ENV, check_access, is_json_content_type, is_loopback,
                                 is_loopback_host_header, key_digest, serve_http_host)
@@ -37,7 +37,7 @@ from cluster.api.choices import choice_requests, open_relays
 from cluster.errors import replica_error
 from cluster.api.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter
 from cluster.api.pending_gate import PendingGate
-from cluster.api.response_writer import json_body, sse_events
+from cluster.api.response_writer import SSEResponse, json_body, sse_events
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 from replicas.request_validation import RequestLimits
 from deltas.text_stream import TextStream
@@ -398,8 +398,8 @@ class Ingress:
         if req.stream:
             events = sse_events(relays, formatter, chat, token_text, self._metrics, started_at,
                                 len(prompt_ids))
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={**SSE_HEADERS, **timing})
+            return SSEResponse(events, media_type="text/event-stream",
+                               headers={**SSE_HEADERS, **timing})
         return JSONResponse(await json_body(relays, formatter, chat, token_text,
                                             len(prompt_ids), metrics=self._metrics),
                             headers=timing)

@@ -67,10 +67,16 @@ class _Formatter:
         return sse_event(f"{self._chunk_head}{index},{fields}}}]{self._chunk_tail}")
 
 
+def _json(value) -> str:
+    # NOTE: most chunks carry no logprobs and no finish: the encoder's general path
+    # costs more for a None than formatting the rest of the chunk.
+    return "null" if value is None else _dumps(value)
+
+
 def _choice_fields(content: str, finish_reason, logprobs, stop_reason) -> str:
-    fields = f'{content},"logprobs":{_dumps(logprobs)},"finish_reason":{_dumps(finish_reason)}'
+    fields = f'{content},"logprobs":{_json(logprobs)},"finish_reason":{_json(finish_reason)}'
     if finish_reason is not None:
-        fields += f',"stop_reason":{_dumps(stop_reason)}'
+        fields += f',"stop_reason":{_json(stop_reason)}'
     return fields
 
 

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import AsyncIterator
 
+from starlette.responses import StreamingResponse
+
 from cluster.errors import ApiError, sse_error_event
 from cluster.api.choices import merged_text_deltas
 from cluster.transport.relay import Relay, aclosing, is_error
@@ -86,16 +88,45 @@ class _Timing:
             self.metrics.tpot_s.observe((self.last_at - self.first_at) / (num_output_tokens - 1))
 
 
+class StreamEnd(bytes):
+    """A stream's last events: `SSEResponse` sends them with the end of the body, so
+    the step that finishes a stream writes to its connection once (its last chunk,
+    the usage chunk, `[DONE]` and the chunked-encoding terminator together)."""
+
+    __slots__ = ()
+
+
+class SSEResponse(StreamingResponse):
+    """Starlette's streaming response, except that a `StreamEnd` item ends the body
+    in the same `send` (one socket write where Starlette makes two: the chunk,
+    then an empty end)."""
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async with aclosing(self.body_iterator) as chunks:
+            async for chunk in chunks:
+                is_end = type(chunk) is StreamEnd
+                await send({"type": "http.response.body", "body": chunk,
+                            "more_body": not is_end})
+                if is_end:
+                    return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def sse_events(relays: list[Relay], formatter, chat: bool, token_text: TokenText | None,
                      metrics, started_at: float, num_prompt_tokens: int) -> AsyncIterator[bytes]:
     """The events of the request whose choices `relays` read (one per choice);
-    usage counts the prompt once and every choice's output tokens.
+    usage counts the prompt once and every choice's output tokens. Each item is one
+    write: one step's chunk of one choice, or the `StreamEnd`.
 
     NOTE: each choice has its own ITL and TPOT; the first choice's first token is
     the request's (the others are admitted once it came: cluster/api/choices.py)."""
     timings = [_Timing(metrics, started_at if i == 0 else None) for i in range(len(relays))]
     text_offsets = [0] * len(relays)
     num_output_tokens = [0] * len(relays)
+    num_unfinished = len(relays)
+    last_event = b""  # the last choice's finish chunk: it goes out with the end
     try:
         async with aclosing(merged_text_deltas(relays)) as text_deltas:
             async for i, td in text_deltas:
@@ -108,15 +139,21 @@ async def sse_events(relays: list[Relay], formatter, chat: bool, token_text: Tok
                                          token_text, text_offsets[i])
                 text_offsets[i] += len(td.text)
                 num_output_tokens[i] = td.num_output_tokens
+                num_unfinished -= td.finish_reason is not None
                 if td.text or td.finish_reason is not None or logprobs is not None:
-                    yield formatter.chunk_event(td.text, _finish_reason(td), logprobs,
-                                                td.stop_reason, i)
+                    event = formatter.chunk_event(td.text, _finish_reason(td), logprobs,
+                                                  td.stop_reason, i)
                     timings[i].event()
-        if formatter.include_usage:
-            yield formatter.usage_event(num_prompt_tokens, sum(num_output_tokens))
-        yield DONE_EVENT
+                    if num_unfinished:
+                        yield event
+                    else:
+                        last_event = event
         for timing, n in zip(timings, num_output_tokens):
             timing.finish(n)
+        usage = (formatter.usage_event(num_prompt_tokens, sum(num_output_tokens))
+                 if formatter.include_usage else b"")
+        # NOTE: the last item: SSEResponse closes the generator once it is sent.
+        yield StreamEnd(last_event + usage + DONE_EVENT)
     except (asyncio.CancelledError, GeneratorExit):
         raise
     except Exception:

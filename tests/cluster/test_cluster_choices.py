@@ -14,7 +14,7 @@ import pytest
 import cluster.api.choices as choices
 from cluster.errors import ApiError
 from cluster.api.openai_events import ChatFormatter, CompletionFormatter
-from cluster.api.response_writer import json_body, sse_events
+from cluster.api.response_writer import StreamEnd, json_body, sse_events
 from deltas.types import FinishReason, TextDelta
 from replicas.config import INT64_MAX, InvalidValue, SamplingParams
 
@@ -213,7 +213,11 @@ def test_a_stream_of_three_choices_parses_with_the_openai_types(chat):
     async def run():
         return [e async for e in sse_events(_relays(), formatter, chat, None, None, 0.0, 5)]
 
-    events = asyncio.run(run())
+    writes = asyncio.run(run())
+    # one event per write, but the last: the last finish, usage and [DONE] go together
+    assert all(w.count(b"\n\n") == 1 for w in writes[:-1])
+    assert type(writes[-1]) is StreamEnd and writes[-1].count(b"\n\n") == 3
+    events = [e + b"\n\n" for e in b"".join(writes).split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]\n\n"
     chunks = [_parse_chunk(ChatCompletionChunk if chat else Completion,
                            json.loads(e[len(b"data: "):])) for e in events[:-1]]
