@@ -112,6 +112,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for name in ENGINE_FIELDS:
         kind = _scalar(_HINTS[name])
         help_ = _HELP.get(name)
+        if help_ is not None:
+            help_ = help_.replace("%", "%%")  # NOTE: argparse formats help with %
         if kind is bool:
             parser.add_argument(flag_name(name), dest=name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_)
