@@ -51,9 +51,9 @@ class AppArgs(EngineArgs):
         "are aborted (a dead ingress is also noticed by pinging it every few seconds)")
     prefix_routing_tokens: int = Field(
         256, ge=0, description="with several engine replicas, prompts whose first whole KV "
-        "blocks (up to this many tokens) agree go to the same replica, unless its queue is "
-        "longer than the shortest by more than prefix_routing_imbalance; 0: Serve's power of "
-        "two choices only")
+        "blocks (up to this many tokens) agree go to the replica the first of them went to, "
+        "unless it runs more than prefix_routing_imbalance requests above the least loaded; "
+        "other prompts go to the least loaded replica; 0: by load only")
     prefix_routing_imbalance: int = Field(
         8, ge=0, description="see prefix_routing_tokens")
     # Deployments.

@@ -144,7 +144,7 @@ COLUMNS = [("output_throughput", "out tok/s", ".2f"), ("median_tpot_ms", "TPOT m
 RATIOS = [("output_throughput", "tok/s x"), ("median_tpot_ms", "TPOT x"),
           ("median_itl_ms", "ITL x"), ("median_ttft_ms", "TTFT x")]
 DEFAULT_VARIANTS = ("default=", "serve proxy=--front-door serve-proxy")
-POLICIES = {"power of two choices": 0, "prefix-aware": 256}  # prefix_routing_tokens
+POLICIES = {"by load": 0, "prefix-aware": 256}  # prefix_routing_tokens
 
 
 def compare_rows(args) -> list[Row]:

@@ -1,20 +1,29 @@
-"""Which engine replica should run a prompt, so that prompts sharing a prefix meet
-the KV blocks their prefix left in that replica's prefix cache.
+"""Which engine replica should run a prompt: where its prefix's KV blocks are, if
+they are anywhere, else the least loaded one.
 
 The key is the prompt's first `prefix_tokens` token ids (whole KV blocks only):
 prompts with the same system prompt, few-shot examples or earlier chat turns
-share it. Rendezvous hashing maps a key to a replica, so adding or losing a
-replica moves only the keys that replica gains or held. The preference yields to
-load: when the preferred replica's queue is `imbalance_threshold` requests longer
-than the shortest queue known, the request goes to Serve's usual choice instead,
-so no replica is flooded by one popular prefix nor starved.
+share it. A key's home is the replica its first prompt went to (the router
+remembers the last `MAX_HOMES` keys): its blocks are in that replica's prefix
+cache. A prompt whose key has no home (a new prefix, a prompt of its own) goes to
+the least loaded replica and makes it the key's home; one whose home is more than
+`imbalance_threshold` requests busier than the least loaded goes there instead, so
+no replica is flooded by one popular prefix nor starved. Prompts that share
+nothing are thus spread evenly, not by a hash of their first tokens.
 
-Pure functions: the router (cluster/transport/routing.py) supplies replica ids and the
-queue lengths it knows.
+Each router (one per ingress replica) keeps its own homes: with several ingress
+replicas a prefix may be computed once on each ingress's first choice.
+
+Pure functions and data: the router (cluster/transport/routing.py) supplies replica
+ids and loads (cluster/transport/admission_loads.py).
 """
 from __future__ import annotations
 
 import hashlib
+import random
+from collections import OrderedDict
+
+MAX_HOMES = 65_536
 
 
 def prefix_key(prompt_token_ids: list[int], prefix_tokens: int, block_size: int) -> bytes | None:
@@ -30,34 +39,49 @@ def prefix_key(prompt_token_ids: list[int], prefix_tokens: int, block_size: int)
         t.to_bytes(4, "little", signed=False) for t in head), digest_size=16).digest()
 
 
-def _score(key: bytes, replica_id: str) -> bytes:
-    return hashlib.blake2b(key + replica_id.encode(), digest_size=8).digest()
+class PrefixHomes:
+    """key -> the replica its prefix was first sent to, the last `max_keys` keys."""
+
+    def __init__(self, max_keys: int = MAX_HOMES) -> None:
+        self._max_keys = max_keys
+        self._homes: OrderedDict[bytes, str] = OrderedDict()
+
+    def get(self, key: bytes) -> str | None:
+        home = self._homes.get(key)
+        if home is not None:
+            self._homes.move_to_end(key)
+        return home
+
+    def set(self, key: bytes, replica_id: str) -> None:
+        self._homes[key] = replica_id
+        self._homes.move_to_end(key)
+        if len(self._homes) > self._max_keys:
+            self._homes.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._homes)
 
 
-def preferred_replica(key: bytes, replica_ids: list[str]) -> str | None:
-    """Rendezvous hashing: the replica with the highest score for this key."""
-    if not replica_ids:
-        return None
-    return max(replica_ids, key=lambda rid: _score(key, rid))
+def least_loaded(replica_ids: list[str], loads: dict[str, int]) -> str:
+    """The replica with the fewest requests; ties drawn at random."""
+    fewest = min(loads.get(rid, 0) for rid in replica_ids)
+    return random.choice([rid for rid in replica_ids if loads.get(rid, 0) == fewest])
 
 
-def choose(key: bytes | None, replica_ids: list[str], queue_lens: dict[str, int | None],
-           imbalance_threshold: int) -> str | None:
-    """The replica to prefer for `key`, or None (use the default policy): no key, or
-    the preferred replica's queue longer than the shortest known by more than the
-    threshold.
+def choose(key: bytes | None, homes: PrefixHomes, home_ids: list[str], near_ids: list[str],
+           loads: dict[str, int], imbalance_threshold: int) -> str:
+    """The replica for a prompt with `key` (None: no whole block to share).
 
-    NOTE: a queue length the router does not know (its cache entries expire after
-    a few idle seconds) does not drop the preference: Serve probes a preferred
-    replica it knows nothing of and passes over it when its queue is full, so the
-    first request after a pause still meets its prefix's blocks."""
-    if key is None:
-        return None
-    preferred = preferred_replica(key, replica_ids)
-    if preferred is None:
-        return None
-    own = queue_lens.get(preferred)
-    if own is None:
-        return preferred
-    shortest = min(n for rid in replica_ids if (n := queue_lens.get(rid)) is not None)
-    return None if own - shortest > imbalance_threshold else preferred
+    `home_ids`: the replicas a home may be (every one the router may use);
+    `near_ids`: those to balance over otherwise (the nearest, as Serve ranks them);
+    `loads`: requests per replica, for both."""
+    home = homes.get(key) if key is not None else None
+    if home is not None and home in home_ids:
+        fewest = min(loads.get(rid, 0) for rid in home_ids)
+        if loads.get(home, 0) - fewest <= imbalance_threshold:
+            return home
+        return least_loaded(near_ids, loads)
+    chosen = least_loaded(near_ids, loads)
+    if key is not None:
+        homes.set(key, chosen)  # a new key, or its home is gone
+    return chosen

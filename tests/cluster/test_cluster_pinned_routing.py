@@ -5,6 +5,8 @@ import asyncio
 from types import SimpleNamespace
 
 from cluster.transport.routing import PIN_KWARG, PinnedRouter
+from cluster.transport.wire import EngineRequest, encode_request
+from replicas.config import SamplingParams
 
 
 def _replica(unique_id: str):
@@ -34,10 +36,20 @@ def test_a_pin_to_a_replica_not_running_backs_off():
     assert pending.routing_context.should_backoff
 
 
-def _admission(prompt=(5, 6, 7)):
-    wire = ["rid", list(prompt), {}, "owner"]
+def _admission(prompt=(5, 6, 7), request_id="rid"):
+    wire = encode_request(EngineRequest(request_id, list(prompt), SamplingParams(), "owner"))
     return SimpleNamespace(kwargs={}, args=(wire,),
+                           metadata=SimpleNamespace(internal_request_id=request_id),
                            routing_context=SimpleNamespace(should_backoff=False))
+
+
+def _router(*near, prefix_tokens=0):
+    """A router whose locality policy names `near` (Serve's answer when they are all
+    on this node)."""
+    router = object.__new__(PinnedRouter)
+    router.initialize_state(prefix_tokens=prefix_tokens)
+    router.apply_locality_routing = lambda pending_request=None: [r.replica_id for r in near]
+    return router
 
 
 def test_admissions_avoid_a_replica_whose_engine_died(monkeypatch):
@@ -45,45 +57,63 @@ def test_admissions_avoid_a_replica_whose_engine_died(monkeypatch):
 
     monkeypatch.setattr(replica_avoidance, "_avoided_until", {})
     a, b, c = _replica("a"), _replica("b"), _replica("c")
-    router = object.__new__(PinnedRouter)
-    router._prefix_tokens = 0
-    # NOTE: Serve's locality policy, as it answers with every replica on one node
-    router.apply_locality_routing = lambda pending_request=None: [
-        r.replica_id for r in (a, b, c)]
+    router = _router(a, b, c)
     replica_avoidance.avoid_replica("b")
-    for _ in range(20):
-        ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission()))
+    for i in range(20):
+        ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission(request_id=f"r{i}")))
         assert b not in [r for rank in ranks for r in rank] and ranks[0]
     # a pin still reaches it (its own channel), and when every replica is avoided
     # they all stay candidates
     assert _choose([a, b, c], _pending("b")) == [[b]]
-    replica_avoidance.avoid_replica("a")
-    replica_avoidance.avoid_replica("c")
-    seen = []
+    for rid in ("a", "c"):
+        replica_avoidance.avoid_replica(rid)
+    # ... so b, the least loaded (the 20 before went to a and c), is chosen again
+    chosen = {asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission(
+        request_id=f"s{i}")))[0][0].replica_id.unique_id for i in range(6)}
+    assert chosen == {"b"}
 
-    def two_of(candidates):
-        seen.append(candidates)
-        return candidates[:2]
-    # NOTE: the globals the method runs with: once Serve has loaded the router in
-    # this process (another test module's app), its methods are by-value copies with
-    # globals of their own (Serve pickles the router class by value).
-    monkeypatch.setitem(PinnedRouter._two_choices.__globals__, "two_of", two_of)
-    ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission()))
-    assert seen == [[a, b, c]] and ranks == [[a, b]]
+
+def test_admissions_go_to_the_least_loaded_and_a_full_choice_falls_back_to_the_rest():
+    """Each choice counts at once (a burst spreads evenly before any replica
+    answers); a request counts until its call ends; the second rank is the rest."""
+    a, b = _replica("a"), _replica("b")
+    router = _router(a, b)
+    counts = {"a": 0, "b": 0}
+    for i in range(10):
+        ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b], _admission(request_id=f"r{i}")))
+        first, rest = ranks
+        assert len(first) == 1 and rest == [b if first[0] is a else a]
+        counts[first[0].replica_id.unique_id] += 1
+        router.on_request_routed(_admission(request_id=f"r{i}"), first[0].replica_id, None)
+    assert counts == {"a": 5, "b": 5}
+    for i in range(0, 10, 2):  # five of them finish; the replica that lost more gets the next
+        router.on_request_completed(None, f"r{i}")
+    loads = router._loads.of(["a", "b"])
+    nxt = asyncio.run(PinnedRouter.choose_replicas(router, [a, b], _admission(request_id="n")))[0][0]
+    assert loads[nxt.replica_id.unique_id] == min(loads.values())
+
+
+def test_a_shared_prefix_goes_home():
+    a, b = _replica("a"), _replica("b")
+    router = _router(a, b, prefix_tokens=64)
+    system = list(range(100, 180))
+    first = asyncio.run(PinnedRouter.choose_replicas(router, [a, b], _admission(system + [1], "p0")))
+    for i in range(1, 6):
+        ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b], _admission(system + [i], f"p{i}")))
+        assert ranks[0] == first[0]
 
 
 def test_the_two_choices_prefer_the_nearest_replicas():
-    """Serve's locality policy names this node's replicas first: the two choices are
-    drawn among them, and among all when it names none of the candidates."""
+    """Serve's locality policy names this node's replicas first: admissions are
+    balanced among them, and among all when it names none of the candidates."""
     a, b, c = _replica("a"), _replica("b"), _replica("c")
-    router = object.__new__(PinnedRouter)
-    router._prefix_tokens = 0
-    router.apply_locality_routing = lambda pending_request=None: [c.replica_id]
-    for _ in range(10):
-        assert asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission())) == [[c]]
-    router.apply_locality_routing = lambda pending_request=None: [_replica("gone").replica_id]
-    ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission()))
-    assert len(ranks) == 1 and len(ranks[0]) == 2 and set(map(id, ranks[0])) <= {id(a), id(b), id(c)}
+    router = _router(c)
+    for i in range(10):
+        assert asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission(request_id=f"r{i}"))) == [[c]]
+    router = _router(_replica("gone"))
+    chosen = {asyncio.run(PinnedRouter.choose_replicas(router, [a, b, c], _admission(
+        request_id=f"r{i}")))[0][0].replica_id.unique_id for i in range(3)}
+    assert chosen == {"a", "b", "c"}
 
 
 def test_a_chosen_replica_goes_to_the_request_it_was_chosen_for():

@@ -1,7 +1,7 @@
 """Prefix-aware routing's policy (cluster/transport/prefix_affinity.py), without Ray."""
 from __future__ import annotations
 
-from cluster.transport.prefix_affinity import choose, preferred_replica, prefix_key
+from cluster.transport.prefix_affinity import PrefixHomes, choose, prefix_key
 from cluster.transport.wire import EngineRequest, encode_request, prompt_of
 from replicas.config import SamplingParams
 
@@ -20,29 +20,46 @@ def test_prompts_sharing_whole_blocks_share_a_key():
     assert prefix_key(SYSTEM[:40], 256, 16) == prefix_key(SYSTEM[:33] + [0, 0], 256, 16)
 
 
-def test_rendezvous_moves_only_the_keys_of_a_lost_replica():
-    keys = [prefix_key([k] * 40, 256, 16) for k in range(200)]
-    three = ["r1", "r2", "r3"]
-    before = {k: preferred_replica(k, three) for k in keys}
-    after = {k: preferred_replica(k, ["r1", "r3"]) for k in keys}
-    assert {before[k] for k in keys} == set(three)  # every replica gets keys
-    moved = [k for k in keys if before[k] != after[k]]
-    assert moved and all(before[k] == "r2" for k in moved)
-
-
-def test_the_preference_yields_to_load_but_not_to_unknown_queues():
+def test_a_new_key_goes_to_the_least_loaded_replica_and_makes_it_its_home():
+    homes = PrefixHomes()
     key = prefix_key(SYSTEM, 256, 16)
-    ids = ["r1", "r2"]
-    preferred = preferred_replica(key, ids)
-    other = next(r for r in ids if r != preferred)
-    assert choose(key, ids, {preferred: 10, other: 2}, imbalance_threshold=8) == preferred
-    assert choose(key, ids, {preferred: 11, other: 2}, imbalance_threshold=8) is None
-    # NOTE: a length the router does not know keeps the preference (Serve probes it)
-    assert choose(key, ids, {preferred: 0, other: None}, imbalance_threshold=8) == preferred
-    assert choose(key, ids, {preferred: None, other: 2}, imbalance_threshold=8) == preferred
-    assert choose(key, ids, {preferred: None, other: None}, imbalance_threshold=8) == preferred
-    assert choose(key, ids, {preferred: 11, other: None}, imbalance_threshold=8) == preferred
-    assert choose(None, ids, {preferred: 0, other: 0}, imbalance_threshold=8) is None
+    ids = ["r1", "r2", "r3"]
+    assert choose(key, homes, ids, ids, {"r1": 3, "r2": 1, "r3": 2}, 8) == "r2"
+    # the same prefix again: its home, however the loads moved within the threshold
+    assert choose(key, homes, ids, ids, {"r1": 0, "r2": 8, "r3": 0}, 8) == "r2"
+    # past the threshold: the least loaded, and the home stays
+    assert choose(key, homes, ids, ids, {"r1": 0, "r2": 9, "r3": 1}, 8) == "r1"
+    assert homes.get(key) == "r2"
+
+
+def test_prompts_without_a_shared_prefix_are_spread_evenly():
+    """Unique prompts (a key each) and prompts without a whole block (no key) fill
+    the replicas in turn: no hash decides, so a burst splits evenly."""
+    homes = PrefixHomes()
+    loads = {"r1": 0, "r2": 0}
+    for i in range(64):
+        key = prefix_key([i] * 40, 256, 16) if i % 2 else None
+        loads[choose(key, homes, ["r1", "r2"], ["r1", "r2"], loads, 8)] += 1
+    assert loads == {"r1": 32, "r2": 32}
+
+
+def test_a_home_that_is_gone_is_replaced_and_homes_are_bounded():
+    homes = PrefixHomes(max_keys=2)
+    key = prefix_key(SYSTEM, 256, 16)
+    homes.set(key, "lost")
+    assert choose(key, homes, ["r1"], ["r1"], {"r1": 5}, 8) == "r1" and homes.get(key) == "r1"
+    for k in range(3):
+        homes.set(bytes([k]), "r1")
+    assert len(homes) == 2 and homes.get(key) is None  # the oldest key left
+
+
+def test_balancing_is_over_the_nearest_but_a_home_may_be_anywhere():
+    homes = PrefixHomes()
+    key = prefix_key(SYSTEM, 256, 16)
+    homes.set(key, "far")
+    loads = {"far": 1, "n1": 0, "n2": 1}
+    assert choose(key, homes, ["far", "n1", "n2"], ["n1", "n2"], loads, 8) == "far"
+    assert choose(None, homes, ["far", "n1", "n2"], ["n1", "n2"], loads, 8) == "n1"
 
 
 def test_the_router_reads_the_prompt_of_an_admission_call():
