@@ -8,9 +8,11 @@ the burst's own admissions reached them, so Serve's power of two choices sent
 "Balancing a burst"): that replica's streams finish last and the run waits for
 them. This count moves the moment a request is chosen.
 
-A request counts from the moment it is chosen (a reservation, which lapses after
-`reservation_s` if the request is never sent, say cancelled while routed), then
-from its acceptance until its admission call ends. Pure Python: the router
+A request counts from the moment it is chosen (a reservation), then from its
+acceptance until its admission call ends. A reservation lapses after
+`reservation_s` in case the request is never sent (cancelled while it was routed):
+long, because a replica busy with a large prefill may take seconds to accept, and
+a reservation lapsed before that would make it look idle. Pure Python: the router
 (cluster/transport/routing.py) feeds it request and replica ids.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from collections import Counter
 from typing import Callable
 
-RESERVATION_S = 2.0
+RESERVATION_S = 30.0
 
 
 class AdmissionLoads:

@@ -35,11 +35,11 @@ def test_a_retry_counts_where_it_went_last():
 
 def test_a_choice_never_sent_lapses():
     clock = _Clock()
-    loads = AdmissionLoads(reservation_s=2.0, clock=clock)
+    loads = AdmissionLoads(reservation_s=30.0, clock=clock)
     loads.reserve("cancelled", "a")
     loads.reserve("routed", "a")
     loads.routed("routed", "a")
-    clock.now = 3.0
+    clock.now = 31.0
     assert loads.of(["a"]) == {"a": 1} and loads.num_tracked == 1
 
 
