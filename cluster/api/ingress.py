@@ -48,7 +48,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # Prompts of at most this many characters are tokenized on the event loop: the
 # tokenizer holds the GIL for a text this short anyway (deltas/tokenization/tokenizer.py,
 # _RELEASE_GIL_CHARS), so a worker thread would stall the loop as long, and add its
-# hand-offs (about a tenth of a millisecond a request).
+# hand-offs.
 INLINE_TOKENIZE_CHARS = 4096
 # ... and chats of at most this many messages (the template's Python work grows with them).
 INLINE_TEMPLATE_MESSAGES = 32

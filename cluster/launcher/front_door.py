@@ -26,12 +26,11 @@ SERVE_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIM
 # every Ctrl-C of a local app would wait out). On one machine HAProxy learns of the
 # change at once and retries refused connections, so a short period is enough.
 LOCAL_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
-# HAProxy's threads (Ray's default: 4 on any machine). One thread forwards an event
-# in about 12-20 us of CPU, so it keeps up with tens of thousands of tokens a second;
-# more threads than the HTTP side's share of the cores cost CPU per event (each
-# step's writes wake several threads, which preempt the engine's) and forward
-# nothing faster: on 2 cores, 4 threads spent ~25% more per token than 1
-# (docs/performance.md, "Per-token HTTP cost").
+# HAProxy's threads (Ray's default: 4 on any machine). One thread keeps up with
+# tens of thousands of events a second; more threads than the HTTP side's share of
+# the cores cost CPU per event (each step's writes wake several threads, which
+# preempt the engine's) and forward nothing faster (docs/performance.md,
+# "Per-token HTTP cost").
 HAPROXY_THREADS_VAR = "RAY_SERVE_HAPROXY_NBTHREAD"
 CORES_PER_HAPROXY_THREAD = 8
 MAX_HAPROXY_THREADS = 4

@@ -1,12 +1,12 @@
 """How many requests one router has sent to each engine replica and not yet seen
 finish: the load its admissions are balanced on.
 
-Why its own count and not Serve's queue-length cache: in a burst (64 requests
+Why its own count and not Serve's queue-length cache: in a burst (many requests
 arriving at once), the cache holds what replicas reported a moment ago, before
-the burst's own admissions reached them, so Serve's power of two choices sent
-40 of 64 requests to one of two replicas, up to 63 of 64 (docs/performance.md,
-"Balancing a burst"): that replica's streams finish last and the run waits for
-them. This count moves the moment a request is chosen.
+the burst's own admissions reached them, so Serve's power of two choices sent most
+of a burst to one replica (docs/performance.md, "Balancing a burst"): that
+replica's streams finish last and the run waits for them. This count moves the
+moment a request is chosen.
 
 A request counts from the moment it is chosen (a reservation), then from its
 acceptance until its admission call ends. A reservation lapses after
