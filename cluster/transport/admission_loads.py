@@ -45,11 +45,16 @@ class AdmissionLoads:
         self._routed[request_id] = replica_id
         self._num_routed[replica_id] += 1
 
-    def completed(self, request_id: str) -> None:
-        """Its call ended (done, failed, cancelled or refused): it counts nowhere."""
-        self._reserved.pop(request_id, None)
-        replica_id = self._routed.pop(request_id, None)
-        if replica_id is not None:
+    def completed(self, request_id: str, replica_id: str) -> None:
+        """Its call to `replica_id` ended (done, failed, cancelled or refused).
+
+        NOTE: a call `replica_id` refused (its queue was full) may end after the
+        request was chosen again, for another replica: that newer choice stays."""
+        reserved = self._reserved.get(request_id)
+        if reserved is not None and reserved[0] == replica_id:
+            del self._reserved[request_id]
+        if self._routed.get(request_id) == replica_id:
+            del self._routed[request_id]
             self._num_routed[replica_id] -= 1
             if not self._num_routed[replica_id]:
                 del self._num_routed[replica_id]

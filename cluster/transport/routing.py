@@ -102,7 +102,7 @@ class PinnedRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        self._loads.completed(internal_request_id)
+        self._loads.completed(internal_request_id, replica_id.unique_id)
 
     def _nearest(self, candidates: list[RunningReplica],
                  pending_request: PendingRequest | None) -> list[RunningReplica]:

@@ -18,7 +18,7 @@ def test_a_request_counts_from_its_choice_until_its_call_ends():
     assert loads.of(["a", "b"]) == {"a": 1, "b": 0}
     loads.routed("r1", "a")
     assert loads.of(["a", "b"]) == {"a": 1, "b": 0}  # counted once, not twice
-    loads.completed("r1")
+    loads.completed("r1", "a")
     assert loads.of(["a", "b"]) == {"a": 0, "b": 0} and loads.num_tracked == 0
 
 
@@ -26,10 +26,11 @@ def test_a_retry_counts_where_it_went_last():
     loads = AdmissionLoads()
     loads.reserve("r1", "a")
     loads.reserve("r1", "b")  # refused by a (its queue was full): chosen again
+    loads.completed("r1", "a")  # the refused call's end comes after: b's choice stays
     assert loads.of(["a", "b"]) == {"a": 0, "b": 1}
     loads.routed("r1", "b")
-    loads.completed("r1")
-    loads.completed("r1")  # a second end changes nothing
+    loads.completed("r1", "b")
+    loads.completed("r1", "b")  # a second end changes nothing
     assert loads.of(["a", "b"]) == {"a": 0, "b": 0}
 
 

@@ -79,15 +79,17 @@ def test_admissions_go_to_the_least_loaded_and_a_full_choice_falls_back_to_the_r
     a, b = _replica("a"), _replica("b")
     router = _router(a, b)
     counts = {"a": 0, "b": 0}
+    went_to = {}
     for i in range(10):
         ranks = asyncio.run(PinnedRouter.choose_replicas(router, [a, b], _admission(request_id=f"r{i}")))
         first, rest = ranks
         assert len(first) == 1 and rest == [b if first[0] is a else a]
         counts[first[0].replica_id.unique_id] += 1
+        went_to[f"r{i}"] = first[0]
         router.on_request_routed(_admission(request_id=f"r{i}"), first[0].replica_id, None)
     assert counts == {"a": 5, "b": 5}
     for i in range(0, 10, 2):  # five of them finish; the replica that lost more gets the next
-        router.on_request_completed(None, f"r{i}")
+        router.on_request_completed(went_to[f"r{i}"].replica_id, f"r{i}")
     loads = router._loads.of(["a", "b"])
     nxt = asyncio.run(PinnedRouter.choose_replicas(router, [a, b], _admission(request_id="n")))[0][0]
     assert loads[nxt.replica_id.unique_id] == min(loads.values())
