@@ -11,8 +11,9 @@ the least loaded replica and makes it the key's home; one whose home is more tha
 no replica is flooded by one popular prefix nor starved. Prompts that share
 nothing are thus spread evenly, not by a hash of their first tokens.
 
-Each router (one per ingress replica) keeps its own homes: with several ingress
-replicas a prefix may be computed once on each ingress's first choice.
+Ties among the least loaded go by rendezvous hashing of the key: each router (one
+per ingress replica) keeps its own homes, and where loads tie (an idle cluster,
+requests one at a time) every router sends a new prefix to the same replica.
 
 Pure functions and data: the router (cluster/transport/routing.py) supplies replica
 ids and loads (cluster/transport/admission_loads.py).
@@ -62,10 +63,20 @@ class PrefixHomes:
         return len(self._homes)
 
 
-def least_loaded(replica_ids: list[str], loads: dict[str, int]) -> str:
-    """The replica with the fewest requests; ties drawn at random."""
+def _score(key: bytes, replica_id: str) -> bytes:
+    return hashlib.blake2b(key + replica_id.encode(), digest_size=8).digest()
+
+
+def least_loaded(replica_ids: list[str], loads: dict[str, int], key: bytes | None = None) -> str:
+    """The replica with the fewest requests. Ties go by the key's rendezvous hash
+    (the replica with the highest score for it), so routers that know nothing of a
+    prefix yet (other ingress replicas, an idle cluster) agree on where it goes;
+    without a key, at random."""
     fewest = min(loads.get(rid, 0) for rid in replica_ids)
-    return random.choice([rid for rid in replica_ids if loads.get(rid, 0) == fewest])
+    tied = [rid for rid in replica_ids if loads.get(rid, 0) == fewest]
+    if key is None:
+        return random.choice(tied)
+    return max(tied, key=lambda rid: _score(key, rid))
 
 
 def choose(key: bytes | None, homes: PrefixHomes, home_ids: list[str], near_ids: list[str],
@@ -80,8 +91,8 @@ def choose(key: bytes | None, homes: PrefixHomes, home_ids: list[str], near_ids:
         fewest = min(loads.get(rid, 0) for rid in home_ids)
         if loads.get(home, 0) - fewest <= imbalance_threshold:
             return home
-        return least_loaded(near_ids, loads)
-    chosen = least_loaded(near_ids, loads)
+        return least_loaded(near_ids, loads, key)
+    chosen = least_loaded(near_ids, loads, key)
     if key is not None:
         homes.set(key, chosen)  # a new key, or its home is gone
     return chosen

@@ -48,3 +48,15 @@ def test_loads_of_unknown_or_other_replicas():
     loads = AdmissionLoads()
     loads.reserve("r1", "gone")
     assert loads.of(["a"]) == {"a": 0}
+
+
+def test_a_choice_made_again_lapses_from_its_own_time():
+    clock = _Clock()
+    loads = AdmissionLoads(reservation_s=30.0, clock=clock)
+    for i in range(1000):
+        loads.reserve(f"r{i}", "ab"[i % 2])
+    clock.now = 20.0
+    loads.reserve("r0", "b")  # chosen again, later: its first reservation is gone
+    assert loads.of(["a", "b"]) == {"a": 499, "b": 501}
+    clock.now = 31.0  # the first thousand lapse, not r0's second choice
+    assert loads.of(["a", "b"]) == {"a": 0, "b": 1} and loads.num_tracked == 1

@@ -53,6 +53,24 @@ def test_a_home_that_is_gone_is_replaced_and_homes_are_bounded():
     assert len(homes) == 2 and homes.get(key) is None  # the oldest key left
 
 
+def test_routers_that_know_nothing_of_a_prefix_agree_where_loads_tie():
+    """Two ingress replicas (a router each), requests one at a time: every prompt of
+    a prefix meets on one replica, and different prefixes spread over replicas."""
+    ids = ["r1", "r2", "r3"]
+    idle = dict.fromkeys(ids, 0)
+    homes_of = {}
+    for p in range(30):
+        key = prefix_key([p] * 40, 256, 16)
+        picks = {choose(key, PrefixHomes(), ids, ids, idle, 8) for _ in range(2)}
+        assert len(picks) == 1
+        homes_of[p] = picks.pop()
+    assert set(homes_of.values()) == set(ids)
+    # under load the least loaded wins over the hash
+    key = prefix_key([0] * 40, 256, 16)
+    busy = {**idle, homes_of[0]: 1}
+    assert choose(key, PrefixHomes(), ids, ids, busy, 8) != homes_of[0]
+
+
 def test_balancing_is_over_the_nearest_but_a_home_may_be_anywhere():
     homes = PrefixHomes()
     key = prefix_key(SYSTEM, 256, 16)
