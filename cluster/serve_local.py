@@ -39,8 +39,7 @@ from cluster.launcher import console, cpu_layout, preflight, process_reaper
 from cluster.api.access import API_KEY_ENV, check_access, key_digest
 from cluster.launcher.console import curl_line  # noqa: F401 - tests and tools import it from here
 from cluster.engine_args import add_engine_flags, engine_flag_values
-from cluster.launcher.front_door import (FRONT_DOORS, HAPROXY_THREADS_VAR, front_door_env,
-                                         haproxy_threads, resolve_front_door)
+from cluster.launcher.front_door import FRONT_DOORS, front_door_env, resolve_front_door
 
 APP_NAME = "stepstream"
 
@@ -253,9 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     front_door, why = resolve_front_door(ns.front_door)
     # NOTE: before Ray starts: Serve reads these once, in every process.
     os.environ.update(front_door_env(front_door, local=True))
-    if front_door == "haproxy":  # NOTE: a value the user exported wins
-        os.environ.setdefault(HAPROXY_THREADS_VAR,
-                              str(haproxy_threads(cpu_layout.usable_cores())))
     from cluster.app import AppArgs
 
     try:
@@ -274,11 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     mport, status = _preflight(app_cfg, host, port, ns.metrics_port)
     if mport is None:
         return status
-    threads = ""
-    if front_door == "haproxy":
-        n = os.environ[HAPROXY_THREADS_VAR]
-        threads = f", {n} thread{'s' if n != '1' else ''}"
-    console.say(f"Front door: {front_door}{threads} ({why})")
+    console.say(f"Front door: {front_door} ({why})")
     if layout is not None:
         console.say(f"Replicas: {layout.describe()} (one engine replica per core up to "
                     f"{cpu_layout.ONE_PER_CORE_UP_TO}: docs/operations.md; "

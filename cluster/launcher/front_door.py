@@ -26,14 +26,6 @@ SERVE_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIM
 # every Ctrl-C of a local app would wait out). On one machine HAProxy learns of the
 # change at once and retries refused connections, so a short period is enough.
 LOCAL_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
-# HAProxy's threads (Ray's default: 4 on any machine). One thread keeps up with
-# tens of thousands of events a second; more threads than the HTTP side's share of
-# the cores cost CPU per event (each step's writes wake several threads, which
-# preempt the engine's) and forward nothing faster (docs/performance.md,
-# "Per-token HTTP cost").
-HAPROXY_THREADS_VAR = "RAY_SERVE_HAPROXY_NBTHREAD"
-CORES_PER_HAPROXY_THREAD = 8
-MAX_HAPROXY_THREADS = 4
 
 
 def _is_executable(path: str) -> bool:
@@ -84,8 +76,3 @@ def front_door_env(front_door: str, local: bool = False) -> dict[str, str]:
     if front_door == "serve-proxy":
         return dict(SERVE_PROXY_ENV)
     return {**HAPROXY_ENV, **(LOCAL_DRAIN_ENV if local else {})}
-
-
-def haproxy_threads(cores: int) -> int:
-    """HAProxy's threads on a node of `cores` cores: one per 8, 1 to 4."""
-    return max(1, min(MAX_HAPROXY_THREADS, int(cores) // CORES_PER_HAPROXY_THREAD))

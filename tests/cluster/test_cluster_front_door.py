@@ -82,7 +82,3 @@ def test_the_docs_export_what_the_launcher_sets():
                 if c.startswith("export "):
                     exported.update(w.split("=", 1) for w in c.split("#")[0].split()[1:] if "=" in w)
             assert {k: exported.get(k) for k in fd.HAPROXY_ENV} == fd.HAPROXY_ENV, snip.where
-
-
-def test_haproxy_gets_a_thread_per_eight_cores_one_to_four():
-    assert [fd.haproxy_threads(c) for c in (1, 2, 8, 15, 16, 32, 64, 128)] == [1, 1, 1, 1, 2, 4, 4, 4]

@@ -16,8 +16,6 @@ import time
 
 import pytest
 
-from cluster.launcher.cpu_layout import usable_cores
-from cluster.launcher.front_door import HAPROXY_THREADS_VAR, haproxy_threads
 from cluster.launcher.process_reaper import alive, descendants
 from cluster_support import free_port
 
@@ -82,9 +80,7 @@ def test_sigterm_shuts_serve_then_ray_down_and_exits_0(tmp_path):
         text = log.read_text()
         assert text.index("Shutting down") < text.index("Stopped")
         assert "No API key" in text  # no key: loopback only, with a warning
-        # the default on Linux, with a thread per 8 of this machine's cores
-        threads = os.environ.get(HAPROXY_THREADS_VAR) or haproxy_threads(usable_cores())
-        assert f"Front door: haproxy, {threads} thread" in text
+        assert "Front door: haproxy" in text  # the default on Linux
         left = _wait_gone(started, 30)
         assert not left, f"left after SIGTERM: {_names(left)}"
         assert not _group_alive(proc.pid), "Ray's processes outlived the launcher"
