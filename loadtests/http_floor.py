@@ -30,8 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
+from cluster.launcher.process_table import read_process
 from loadtests.local_server import free_port
 from loadtests.metrics import format_table
 
@@ -145,8 +145,10 @@ backend app
 
 
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    info = read_process(pid)
+    if info is None:
+        raise RuntimeError(f"process {pid} ended during the run")
+    return info.cpu_s
 
 
 async def _wait_listening(port: int, timeout_s: float) -> None:

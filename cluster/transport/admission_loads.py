@@ -47,7 +47,10 @@ class AdmissionLoads:
         self._reservation_order.append((now, request_id))
 
     def routed(self, request_id: str, replica_id: str) -> None:
-        """`replica_id` accepted it: it counts there until `completed`."""
+        """`replica_id` accepted it: it counts there until `completed`. A request
+        never reserved (not an admission) is not counted."""
+        if request_id not in self._reserved and request_id not in self._routed:
+            return
         self._unreserve(request_id)
         if request_id in self._routed:
             _decrement(self._num_routed, self._routed[request_id])

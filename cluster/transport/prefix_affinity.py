@@ -9,7 +9,7 @@ cache. A prompt whose key has no home (a new prefix, a prompt of its own) goes t
 the least loaded replica and makes it the key's home; one whose home is more than
 `imbalance_threshold` requests busier than the least loaded goes there instead, so
 no replica is flooded by one popular prefix nor starved. Prompts that share
-nothing are thus spread evenly, not by a hash of their first tokens.
+nothing are thus spread evenly: a hash of their first tokens only breaks ties.
 
 Ties among the least loaded go by rendezvous hashing of the key: each router (one
 per ingress replica) keeps its own homes, and where loads tie (an idle cluster,

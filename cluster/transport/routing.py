@@ -96,9 +96,9 @@ class PinnedRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id,
                           result) -> None:
         super().on_request_routed(pending_request, replica_id, result)
-        if pending_request.args and prompt_of(pending_request.args[0]) is not None:
-            self._loads.routed(pending_request.metadata.internal_request_id,
-                               replica_id.unique_id)
+        # NOTE: only admissions were reserved: other calls are ignored there, without
+        # decoding their arguments again
+        self._loads.routed(pending_request.metadata.internal_request_id, replica_id.unique_id)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)

@@ -48,6 +48,8 @@ def test_loads_of_unknown_or_other_replicas():
     loads = AdmissionLoads()
     loads.reserve("r1", "gone")
     assert loads.of(["a"]) == {"a": 0}
+    loads.routed("channel-call", "a")  # never reserved: not an admission
+    assert loads.of(["a"]) == {"a": 0} and loads.num_tracked == 1
 
 
 def test_a_choice_made_again_lapses_from_its_own_time():
