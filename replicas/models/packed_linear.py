@@ -10,6 +10,7 @@ the same outputs bit for bit (the same oneDNN kernels; only the reordering moves
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -27,6 +28,19 @@ def packing_available() -> str | None:
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return "this torch build lacks oneDNN's packed linear ops"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def packing_refused(dtype: torch.dtype) -> str | None:
+    """None when oneDNN packs `dtype` weights on this CPU, else its reason: bfloat16
+    packing needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which many CPUs lack.
+    Asked once per dtype, so a model of hundreds of layers gets one answer."""
+    try:
+        with torch.no_grad():
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError as error:
+        return str(error)
     return None
 
 
@@ -50,8 +64,9 @@ def pack_linears(model: nn.Module, batch_size_hint: int) -> int:
     """Replace every float32 or bfloat16 CPU nn.Linear in `model` by a PackedLinear;
     returns how many.
 
-    Logs and leaves the model as it is when packing cannot run here; a layer oneDNN
-    will not pack (bfloat16 where this torch build refuses it) stays a plain one.
+    Logs and leaves the model as it is when packing cannot run here; layers of a
+    dtype oneDNN will not pack on this CPU (bfloat16 without AVX-512) stay plain ones
+    (one log line for them all), as does any layer it refuses on its own.
     """
     problem = packing_available()
     if problem is not None:
@@ -61,8 +76,15 @@ def pack_linears(model: nn.Module, batch_size_hint: int) -> int:
                for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu"
                and child.weight.dtype in PACKED_DTYPES]
+    refused = {dtype: packing_refused(dtype) for dtype in {c.weight.dtype for *_, c in targets}}
+    for dtype, why in refused.items():
+        if why is not None:
+            logger.info("%s linear layers stay unpacked on this CPU: %s",
+                        str(dtype).removeprefix("torch."), why)
     num_packed = 0
     for parent, name, child in targets:
+        if refused[child.weight.dtype] is not None:
+            continue
         try:
             packed = PackedLinear(child, batch_size_hint)
         except RuntimeError as error:

@@ -63,7 +63,14 @@ def test_extreme_values_give_what_torch_gives_and_no_nan():
     gate, up = gate_up.split(gate.numel(), dim=-1)
     got = _ops().silu_mul(gate_up)
     assert not bool(got.isnan().any()), got
-    assert _steps_apart(got, F.silu(gate) * up, steps=2) < 0.1
+    ref = F.silu(gate) * up
+    # NOTE: with -ffast-math the division is a reciprocal, which flushes below 2**-126:
+    # where 1 + exp(-v) passes 2**126 (v about -87.3 to -88.7) SiLU is -0 instead of a
+    # value under 2e-36 on CPUs without AVX-512 (AVX2: the -88s here); none differs
+    # by more than 1e-30 (in _steps_apart), and every larger value is torch's
+    large = ref.float().abs() > 1e-30
+    assert _steps_apart(got, ref, steps=2) < 0.15
+    assert _steps_apart(got[large], ref[large], steps=2) < 0.1
     norm = _norm(64, 0)
     rows = torch.stack([torch.full((64,), 1e20), torch.linspace(-3, 3, 64)]).bfloat16()
     normed, _ = _ops().rms_norm(rows, norm.weight, norm.eps)

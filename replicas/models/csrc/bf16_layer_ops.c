@@ -10,7 +10,9 @@
  * bit, except where float32 sums in another order (the RMSNorm mean) or exp and the
  * vectorised division differ in their last bit (SiLU): then an intermediate can round
  * one bfloat16 step away, and the product after it up to two; and for denormals
- * (below).
+ * (below). -ffast-math divides by a reciprocal, which flushes below 2**-126: where
+ * 1 + exp(-v) passes 2**126 (v from about -87.3 to -88.7) SiLU gives -0 instead of
+ * a value under 2e-36 on some CPUs (AVX2 without AVX-512).
  *
  * Row-major, contiguous rows; rows split across `num_threads` OpenMP threads
  * (torch's pool: see replicas/attention/native_kernels.py).
