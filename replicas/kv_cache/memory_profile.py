@@ -18,6 +18,9 @@ no temporaries that grow with that context; the plain torch backend does (a mask
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from replicas.attention.base import AttentionBackend, AttentionMetadata
@@ -35,9 +38,28 @@ def allocate_kv_caches(num_blocks: int, block_size: int, model_config: ModelConf
     shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
     # NOTE: zeros, not empty: masked-out slots still meet the softmax weights,
     # and 0 * NaN garbage would poison the output.
+    if device.type == "cpu":
+        return [(zeroed_host_tensor(shape, dtype), zeroed_host_tensor(shape, dtype))
+                for _ in range(mc.num_layers)]
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(mc.num_layers)]
+
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of zeros in host memory that costs nothing until it is used.
+
+    Why not torch.zeros: it writes every byte at start-up, so the kernel faults in
+    and clears every page of a cache sized for max_num_seqs full-length sequences
+    (gigabytes), most of which a replica may never fill. An anonymous mapping reads
+    as zeros by the kernel's guarantee and gets a page only where it is written. The
+    tensor holds the mapping (torch.frombuffer keeps its buffer alive)."""
+    count = math.prod(shape)
+    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
 
 
 def profile_step_inputs(num_tokens: int, num_seqs: int, block_size: int, device: torch.device):

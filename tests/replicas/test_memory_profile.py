@@ -1,6 +1,9 @@
 """The profiling step that sizes the KV cache on CUDA (replicas/kv_cache/memory_profile.py):
 its inputs are a valid step, and it runs on CPU. The measurement itself needs CUDA
-(tests/gpu/test_gpu_engine.py)."""
+(tests/gpu/test_gpu_engine.py). On CPU the cache itself is allocated lazily: zeros
+that take memory only where written."""
+import os
+
 import pytest
 import torch
 
@@ -58,3 +61,29 @@ def test_a_profiled_sequence_gets_the_logits_it_gets_alone(tiny):
     alone = EngineConfig(model="tiny", dtype="float32", max_num_seqs=1, max_num_batched_tokens=34)
     first, _ = run_profile_step(model, backend, alone, mc, CPU, 512)
     torch.testing.assert_close(batched[0], first[0], atol=1e-4, rtol=1e-4)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_host_kv_cache_reads_as_zeros_and_takes_memory_only_where_written(dtype):
+    from replicas.kv_cache.memory_profile import allocate_kv_caches, zeroed_host_tensor
+
+    shape = (4096, 16, 8, 64)  # 128 MiB in float32
+    before = _rss_bytes()
+    cache = zeroed_host_tensor(shape, dtype)
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert cache.data_ptr() % 4096 == 0
+    assert _rss_bytes() - before < 16 * 2**20  # not written at start-up
+    cache[7, 3] = 1.5
+    assert float(cache.sum()) == 1.5 * 8 * 64  # the rest reads as zeros
+    assert float(cache[:7].abs().sum()) == 0.0
+    assert _rss_bytes() - before < 16 * 2**20  # a page per written block, not the cache
+    mc = resolve_model(EngineConfig(model="tiny", dtype="float32")).model_config
+    kv = allocate_kv_caches(8, 16, mc, dtype, CPU)
+    assert len(kv) == mc.num_layers
+    assert all(float(k.abs().sum()) == 0.0 and float(v.abs().sum()) == 0.0 for k, v in kv)
