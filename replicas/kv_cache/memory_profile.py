@@ -1,4 +1,5 @@
-"""What a GPU has left for the KV cache: the peak the engine reaches before the
+"""The KV cache's tensors (`allocate_kv_caches`; on CPU zeros that take memory only
+where written), and what a GPU has left for them: the peak the engine reaches before the
 cache exists, measured once at start-up (replicas/kv_cache/kv_budget.py turns it into blocks).
 
 The largest step the scheduler can make is `max_num_batched_tokens` prompt tokens
