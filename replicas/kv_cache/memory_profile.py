@@ -56,7 +56,7 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     as zeros by the kernel's guarantee and gets a page only where it is written. The
     tensor holds the mapping (torch.frombuffer keeps its buffer alive)."""
     count = math.prod(shape)
-    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    nbytes = count * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
