@@ -18,6 +18,10 @@ took from the Ray lanes would stretch their waits. The Ray lanes' Ray instances
 share nothing: the in-process one picks free ports, the launchers and docs shells
 their own (and a docs shell's `ray stop` sees only its own PID namespace).
 
+Each lane sees every lane's pid in the file STEPSTREAM_LANE_PIDS_FILE names: a
+test that slows the machine on purpose (a busy loop) waits for the other lanes to
+end instead, as they keep the machine busier than the loop would.
+
 Each lane's output is printed when it is done, then one closing line with the
 counts of all. The exit status is non-zero if any lane failed or ran no test.
 Extra arguments go to every lane (e.g. `-x`, `-k NAME`).
@@ -47,6 +51,7 @@ _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|desel
 # pytest's short summary: "FAILED tests/x.py::test_y[a b] - AssertionError: ..."
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S.*?)(?: - .*)?$")
 MAX_RUN_ALONE = 8
+LANE_PIDS_FILE_ENV = "STEPSTREAM_LANE_PIDS_FILE"  # read by tests/reliability_support.py
 
 
 def _counts(log: str) -> dict[str, int]:
@@ -82,6 +87,7 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="stepstream-lanes-") as tmp:
         runs = {}
+        env[LANE_PIDS_FILE_ENV] = str(Path(tmp) / "lane.pids")
         for name, (marks, niceness) in LANES.items():
             log_path = Path(tmp) / f"{name.replace(' ', '-')}.log"
             log = open(log_path, "w")
@@ -89,6 +95,9 @@ def main(argv: list[str]) -> int:
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, preexec_fn=lambda n=niceness: os.nice(n))
             runs[name] = (proc, log, log_path)
+        # NOTE: for tests that load the machine on purpose, to see whether the other
+        # lanes load it already (tests/reliability_support.py busy_core)
+        Path(env[LANE_PIDS_FILE_ENV]).write_text(" ".join(str(p.pid) for p, _, _ in runs.values()))
         status = 0
         totals: dict[str, int] = {}
         failed_tests: list[str] = []
@@ -109,6 +118,8 @@ def main(argv: list[str]) -> int:
                 # 2 = anything else (no test ran, pytest broke): fails at once
                 status = max(status, 1 if rc == 1 and lane_failed_tests else 2)
                 print(f"lane {name!r} FAILED (pytest exit {rc})", flush=True)
+        # a test run alone loads the machine itself again where it would
+        Path(env[LANE_PIDS_FILE_ENV]).unlink(missing_ok=True)
         passed_alone: list[str] = []
         if status == 1 and len(failed_tests) <= MAX_RUN_ALONE:
             status, totals, passed_alone = _run_alone(failed_tests, argv, env, tmp, totals)

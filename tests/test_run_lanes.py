@@ -4,7 +4,10 @@ alone too, or a lane that broke in another way, fails the suite. Driven over a s
 suite written here, with the lanes replaced by two of its own."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +78,61 @@ def test_a_lane_that_breaks_otherwise_fails_at_once(two_lanes, tmp_path, capsys)
     assert run_lanes.main(argv) == 2
     out = capsys.readouterr().out
     assert "===== alone" not in out
+
+
+LANE_PIDS_SUITE = '''
+import os, pathlib
+import pytest
+
+@pytest.mark.timing
+def test_records_the_lanes_it_sees():
+    out = pathlib.Path(os.environ["LANES_TMP"])
+    pids_file = pathlib.Path(os.environ["STEPSTREAM_LANE_PIDS_FILE"])
+    seen = pids_file.read_text() if pids_file.exists() else "absent"
+    runs = sorted(out.glob("seen-*"))
+    (out / f"seen-{len(runs)}").write_text(f"{os.getpid()}:{seen}")
+    assert runs, "first run"
+
+def test_rest():
+    pass
+'''
+
+
+def test_each_lane_sees_every_lanes_pid_and_a_test_run_alone_none(two_lanes, tmp_path):
+    """What a test that loads the machine on purpose reads to know whether the other
+    lanes load it already (reliability_support.busy_core)."""
+    assert run_lanes.main(_suite(tmp_path, LANE_PIDS_SUITE)) == 0
+    own_pid, pids = (tmp_path / "seen-0").read_text().split(":")
+    assert own_pid in pids.split() and len(pids.split()) == 2
+    assert (tmp_path / "seen-1").read_text().split(":")[1] == "absent"
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_busy_loop_waits_while_another_lane_runs_then_spins(monkeypatch, tmp_path):
+    import reliability_support
+
+    other_lane = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        pids = tmp_path / "lane.pids"
+        pids.write_text(f"{os.getpid()} {other_lane.pid}")
+        monkeypatch.setenv(run_lanes.LANE_PIDS_FILE_ENV, str(pids))
+        with reliability_support.busy_core() as loop:
+            time.sleep(1.0)
+            assert _cpu_s(loop.pid) < 0.5  # its start-up and 5 looks a second
+            waited = _cpu_s(loop.pid)
+            other_lane.kill()
+            other_lane.wait()
+            # NOTE: a bound on the wait, not a pace: at nice 10 beside two lanes it may
+            # get little of a core, but it does get some
+            deadline = time.monotonic() + 30
+            while _cpu_s(loop.pid) < waited + 0.3 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _cpu_s(loop.pid) >= waited + 0.3, "the loop never spun after the lane ended"
+    finally:
+        other_lane.kill()
+        other_lane.wait()

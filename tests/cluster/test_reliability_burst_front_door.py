@@ -1,5 +1,6 @@
 """A burst far past the bounds through the product's front door (the launcher:
-HAProxy to the ingress replica), on a machine slowed by a busy loop on one core:
+HAProxy to the ingress replica), on a machine slowed by a busy loop on one core
+(or by the suite's other lanes while they run):
 the streams already running complete (never stalled as long as a queue timeout),
 every request let in completes and gets
 its first token within 2 s of its admission, the slowest too (the ingress's
@@ -172,7 +173,8 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     refusal_s = [ended for _, _, ended, *_ in refused]
     intake_s = [ended for _, _, ended, *_ in intake]
     by_gate = [row for row in refused if INGRESS_REFUSAL in row[-1]]
-    print(f"\nburst of {num_requests} ({BURST_FACTOR}x {slots} slots, one core busy): "
+    print(f"\nburst of {num_requests} ({BURST_FACTOR}x {slots} slots, one core busy or the "
+          f"suite's other lanes running): "
           f"{len(admitted)} admitted, {len(refused)} refused (429; {len(by_gate)} by the "
           f"ingress's gate), {len(other)} other; "
           f"first token after admission: median {_median(ttfts):.3f} s, slowest "
