@@ -27,6 +27,11 @@ def test_fails_the_first_time():
     marker = pathlib.Path(os.environ["LANES_TMP"]) / "ran-once"
     first = not marker.exists()
     marker.touch()
+    # what a test that loads the machine on purpose reads (reliability_support.busy_core)
+    pids_file = pathlib.Path(os.environ["STEPSTREAM_LANE_PIDS_FILE"])
+    seen = pids_file.read_text() if pids_file.exists() else "absent"
+    (marker.parent / ("lanes-seen-" + ("first" if first else "again"))).write_text(
+        str(os.getpid()) + ":" + seen)
     assert not first, "first run"
 
 @pytest.mark.timing
@@ -63,6 +68,10 @@ def test_a_test_that_passes_alone_is_counted_passed_and_named(two_lanes, tmp_pat
     assert lines[-1] == "3 passed, 0 failed, 0 skipped"
     assert "1 failed beside the other lanes and passed alone:" in out
     assert "test_small_suite.py::test_fails_the_first_time" in out.split("passed alone:")[1]
+    # each lane sees every lane's pid, its own too; a test run alone sees none
+    own_pid, pids = (tmp_path / "lanes-seen-first").read_text().split(":")
+    assert own_pid in pids.split() and len(pids.split()) == 2
+    assert (tmp_path / "lanes-seen-again").read_text().split(":")[1] == "absent"
 
 
 def test_a_test_that_fails_alone_too_fails_the_suite(two_lanes, tmp_path, capsys):
@@ -78,33 +87,6 @@ def test_a_lane_that_breaks_otherwise_fails_at_once(two_lanes, tmp_path, capsys)
     assert run_lanes.main(argv) == 2
     out = capsys.readouterr().out
     assert "===== alone" not in out
-
-
-LANE_PIDS_SUITE = '''
-import os, pathlib
-import pytest
-
-@pytest.mark.timing
-def test_records_the_lanes_it_sees():
-    out = pathlib.Path(os.environ["LANES_TMP"])
-    pids_file = pathlib.Path(os.environ["STEPSTREAM_LANE_PIDS_FILE"])
-    seen = pids_file.read_text() if pids_file.exists() else "absent"
-    runs = sorted(out.glob("seen-*"))
-    (out / f"seen-{len(runs)}").write_text(f"{os.getpid()}:{seen}")
-    assert runs, "first run"
-
-def test_rest():
-    pass
-'''
-
-
-def test_each_lane_sees_every_lanes_pid_and_a_test_run_alone_none(two_lanes, tmp_path):
-    """What a test that loads the machine on purpose reads to know whether the other
-    lanes load it already (reliability_support.busy_core)."""
-    assert run_lanes.main(_suite(tmp_path, LANE_PIDS_SUITE)) == 0
-    own_pid, pids = (tmp_path / "seen-0").read_text().split(":")
-    assert own_pid in pids.split() and len(pids.split()) == 2
-    assert (tmp_path / "seen-1").read_text().split(":")[1] == "absent"
 
 
 def _cpu_s(pid: int) -> float:
