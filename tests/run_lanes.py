@@ -1,4 +1,4 @@
-"""`make test`: the whole suite as four pytest processes at once:
+"""`make test`: the whole suite as three pytest processes at once:
 
 - "no Ray": every test that starts no Ray (torch work mostly), at a lower CPU
   priority (nice 10);
@@ -7,16 +7,15 @@
   another;
 - "front door": every test that starts Ray in a process of its own (the launcher,
   a docs shell running `ray start`): HAProxy binds fixed ports (its stats and
-  metrics pages), so these run one after another too (marker `front_door`);
-- "own Ray": the few tests that start a Ray of their own in the pytest process
-  (marker `own_ray`), on free ports: a minute of work that would otherwise end one
-  of the two long Ray lanes a minute later.
+  metrics pages), so these run one after another too (marker `front_door`); and,
+  to even the two Ray lanes out, the few tests that start a Ray of their own in
+  the pytest process (marker `own_ray`).
 
 Why: the Ray tests spend most of their time waiting (Serve's drains, delays, health
-checks, first tokens) while the machine sits idle; the Ray lanes wait side by side
+checks, first tokens) while the machine sits idle; two Ray lanes wait side by side
 and the torch lane uses what they leave. The lane without Ray runs niced: CPU it
 took from the Ray lanes would stretch their waits. The Ray lanes' Ray instances
-share nothing: the in-process ones pick free ports, the launchers and docs shells
+share nothing: the in-process one picks free ports, the launchers and docs shells
 their own (and a docs shell's `ray stop` sees only its own PID namespace).
 
 Each lane sees every lane's pid in the file STEPSTREAM_LANE_PIDS_FILE names: a
@@ -31,7 +30,7 @@ A test that fails beside the other lanes runs once more, alone, after all of the
 (at most MAX_RUN_ALONE tests; more failures than that, or a lane that broke in
 another way, fail the suite at once). Many tests bound a wait (a first token, a
 stream's largest gap, a replica's start) for the load they make themselves; on a
-slow machine the other lanes beside them can stretch that wait past its bound. A
+slow machine two other lanes beside them can stretch that wait past its bound. A
 test that also fails alone fails the suite; one that passes alone is named in the
 closing lines, so a test that only holds on a quiet machine stays in sight.
 """
@@ -47,8 +46,7 @@ from pathlib import Path
 
 # name -> (pytest marker expression, niceness)
 LANES = {"no Ray": ("not ray", 10), "Ray": ("ray and not front_door and not own_ray", 0),
-         "front door": ("ray and front_door", 0),
-         "own Ray": ("ray and own_ray and not front_door", 0)}
+         "front door": ("ray and (front_door or own_ray)", 0)}
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 # pytest's short summary: "FAILED tests/x.py::test_y[a b] - AssertionError: ..."
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S.*?)(?: - .*)?$")
