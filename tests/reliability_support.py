@@ -188,7 +188,7 @@ def any_running():
             pass
     return False
 
-while others and any_running():
+while any_running():
     time.sleep(0.2)
 while True:
     pass
@@ -211,8 +211,8 @@ def busy_core():
     machine at about half its speed for whatever shares that core.
 
     Beside the suite's other lanes the loop waits for them to end first: they keep
-    the machine at least that busy already (it runs at 93% of its cores through the
-    whole suite), and a loop burning a core beside them only stretches every lane."""
+    the machine at least that busy already, and a loop burning a core beside them
+    only stretches every lane."""
     cpu = min(os.sched_getaffinity(0))
     code = _BUSY_LOOP.format(cpu=cpu, others=_other_lane_pids())
     proc = subprocess.Popen([sys.executable, "-c", code])

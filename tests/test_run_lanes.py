@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import run_lanes  # noqa: E402
+from cluster.launcher.process_table import read_process  # noqa: E402
 
 SUITE = '''
 import os, pathlib
@@ -90,9 +91,7 @@ def test_a_lane_that_breaks_otherwise_fails_at_once(two_lanes, tmp_path, capsys)
 
 
 def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return read_process(pid).cpu_s
 
 
 def test_the_busy_loop_waits_while_another_lane_runs_then_spins(monkeypatch, tmp_path):
