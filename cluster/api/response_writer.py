@@ -3,13 +3,18 @@
 Every stream ends honestly: `[DONE]` after a complete answer, or an error event
 in the OpenAI shape (and no `[DONE]`) when anything fails after the headers went
 out. A client disconnect cancels the generator; `Relay` then stops the replica.
+
+An engine replica lost while generating ends a stream with a 503-shaped error
+event (a client's retry lands on a replica still there). A non-streamed answer
+sent nothing yet, so `json_answer` runs it again, once, on the choices' new
+engine requests; a second loss is the 503 itself.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from starlette.responses import StreamingResponse
 
@@ -23,9 +28,22 @@ logger = logging.getLogger("ray.serve")
 
 
 
+# Runs of a non-streamed request after the first, each after its replica was lost
+# mid-answer: one, so a request that takes its replica down cannot take the next.
+MAX_LOST_ANSWER_RETRIES = 1
+
+
+class AnswerLost(Exception):
+    """A non-streamed answer's replica was lost while generating; nothing of it
+    reached the client, so the request may run again."""
+
+
 def _engine_failure(text_delta: TextDelta, relay: Relay) -> ApiError:
     if relay.timed_out:
         return ApiError(504, f"The request timed out: {text_delta.error}", code="timeout")
+    if relay.replica_lost:
+        return ApiError(503, "The engine replica was lost while generating; retry later",
+                        code="engine_unavailable", retry_after_s=1.0)
     return ApiError(500, f"The request failed while generating: {text_delta.error}",
                     code="engine_error")
 
@@ -194,23 +212,46 @@ class _ChoiceText:
                                 last.stop_reason, lp)
 
 
+async def json_answer(relays: list[Relay], reopen: Callable[[int], Awaitable[list[Relay]]],
+                      formatter, chat: bool, token_text: TokenText | None,
+                      num_prompt_tokens: int, metrics=None) -> dict:
+    """The body of the request whose choices `relays` read; where a replica is lost
+    mid-answer, `reopen(run)` opens the choices again (run 1, ...) and they answer."""
+    for run in range(MAX_LOST_ANSWER_RETRIES + 1):
+        try:
+            return await json_body(relays, formatter, chat, token_text, num_prompt_tokens,
+                                   metrics, retry_lost=run < MAX_LOST_ANSWER_RETRIES)
+        except AnswerLost:
+            logger.warning("an engine replica was lost while answering %s: running it again",
+                           relays[0].request_id)
+            relays = await reopen(run + 1)
+    raise AssertionError("unreachable: the last run raises the loss as a 503")
+
+
 async def json_body(relays: list[Relay], formatter, chat: bool, token_text: TokenText | None,
-                    num_prompt_tokens: int, metrics=None) -> dict:
-    """The body of the request whose choices `relays` read (one per choice)."""
+                    num_prompt_tokens: int, metrics=None, retry_lost: bool = False) -> dict:
+    """The body of the request whose choices `relays` read (one per choice).
+    `retry_lost`: a replica lost mid-answer raises `AnswerLost` (and counts no
+    tokens: the run that answers does), not its 503."""
     choices = [_ChoiceText() for _ in relays]
-    answered = False
+    answered = lost = False
     try:
         async with aclosing(merged_text_deltas(relays)) as text_deltas:
             async for i, td in text_deltas:
                 if is_error(td):
+                    lost = retry_lost and relays[i].replica_lost and not relays[i].timed_out
+                    if lost:
+                        raise AnswerLost()
                     raise _engine_failure(td, relays[i])
                 choices[i].add(td, token_text is not None)
         # NOTE: merged_text_deltas ends once every choice has its finish
         answered = True
     finally:
-        # NOTE: output tokens only with an answer: a failed one sends none.
-        num_output_tokens = sum(c.last.num_output_tokens for c in choices) if answered else 0
-        count_tokens(metrics, num_prompt_tokens, num_output_tokens)
+        if not lost:
+            # NOTE: output tokens only with an answer: a failed one sends none.
+            num_output_tokens = (sum(c.last.num_output_tokens for c in choices)
+                                 if answered else 0)
+            count_tokens(metrics, num_prompt_tokens, num_output_tokens)
     return formatter.response_of([c.choice(i, formatter, chat, token_text)
                                   for i, c in enumerate(choices)],
                                  num_prompt_tokens, num_output_tokens)

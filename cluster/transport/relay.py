@@ -18,7 +18,10 @@ itself is gone: the admission call fails because its actor died or cannot be
 reached, or its channel fails that way before the first delta (one retry: a request
 that took its replica down must not take the next). Serve's router drops a dead
 actor by itself. An engine that fails a request it already admitted (an error
-delta) is its answer, never retried.
+delta) is its answer, never retried. A replica lost after the first delta ends the
+deltas with an error and sets `replica_lost`: the ingress may still run a
+non-streamed request again, as none of its answer went out
+(cluster/api/response_writer.py).
 Waiting for the first token (Serve's queue, the engine's queue, the prefill) is
 bounded by `queue_timeout_s`: past it, 503 + Retry-After.
 
@@ -78,6 +81,9 @@ class Relay:
         self._failure: ApiError | None = None  # why the admission call failed
         self._failure_cause: BaseException | None = None
         self.timed_out = False  # the request ran past `timeout_s` and was stopped
+        # its replica was lost (actor gone, channel failed) after its first delta
+        self.replica_lost = False
+        self._replica_id: str | None = None
 
     @classmethod
     async def open(cls, engine_stream, hub: ChannelHub, request: EngineRequest, text_stream,
@@ -135,15 +141,14 @@ class Relay:
                 self._forget_attempt()
                 continue
             self._hub.attach(request.request_id, replica_id)
+            self._replica_id = replica_id
             self._watcher = asyncio.create_task(self._watch())
             first = await self._collector.get()
             if first.finish_reason != FinishReason.ERROR:
                 self._first = first
                 return
             # no header went out yet: a replica lost now is retried elsewhere
-            lost = self._hub.lost_its_channel(request.request_id) or (
-                self._failure_cause is not None and is_replica_lost(self._failure_cause))
-            if not lost:
+            if not self._lost_its_replica():
                 raise self._failure or ApiError(500, f"The request failed: {first.error}",
                                                 code="engine_error")
             replica_losses += 1
@@ -155,6 +160,12 @@ class Relay:
                            "another", replica_id, request.request_id)
             avoid_replica(replica_id)
             self._forget_attempt()
+
+    def _lost_its_replica(self) -> bool:
+        """Whether the error delta just read came from losing the replica (its actor
+        died or cannot be reached), not from the engine failing the request."""
+        return self._hub.lost_its_channel(self.request_id) or (
+            self._failure_cause is not None and is_replica_lost(self._failure_cause))
 
     def _forget_attempt(self) -> None:
         """Drop an attempt that failed before its first token, so the next starts
@@ -180,6 +191,11 @@ class Relay:
         try:
             while True:
                 engine_done = delta.finish_reason is not None
+                if delta.finish_reason == FinishReason.ERROR and self._lost_its_replica():
+                    self.replica_lost = True
+                    avoid_replica(self._replica_id)  # a retry goes elsewhere
+                    # NOTE: an unreachable replica may still run it: abort it there
+                    engine_done = False
                 text_delta = self._text_stream.push(delta)
                 yield text_delta
                 if text_delta.finish_reason is not None:

@@ -358,3 +358,101 @@ def test_errors_of_the_request_itself_are_not_retried_and_retries_are_bounded(to
         assert hub._collectors == {} and not hub._channel_lost
 
     asyncio.run(run())
+
+
+# --- a replica lost after the first delta: a stream's 503 event, a JSON answer run again ---
+
+class _TokenCounts:
+    def __init__(self) -> None:
+        self.counted: list[tuple[int, int]] = []
+
+    def count_tokens(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.counted.append((num_prompt_tokens, num_output_tokens))
+
+
+def test_a_replica_lost_mid_stream_ends_it_with_a_503_and_is_avoided(tokenizer):
+    from cluster.api.response_writer import _engine_failure
+    from cluster.transport import replica_avoidance
+
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        relay = await _open_with_first(engine, hub, tokenizer, "a")
+        engine.step("rep-1", _delta("a", [65], 1))
+        await asyncio.sleep(0.01)
+        engine.channels["rep-1"][-1].put(_lost_actor())  # the replica's node is gone
+        out = [td async for td in relay.text_deltas()]
+        assert tokenizer.decode([65]) in "".join(td.text for td in out)
+        assert out[-1].finish_reason == FinishReason.ERROR and relay.replica_lost
+        error = _engine_failure(out[-1], relay)
+        assert (error.status, error.code, error.headers()) == (
+            503, "engine_unavailable", {"Retry-After": "1"})
+        assert replica_avoidance.is_avoided("rep-1")  # a client's retry goes elsewhere
+
+    try:
+        asyncio.run(run())
+    finally:
+        replica_avoidance.clear()
+
+
+def test_a_json_answer_whose_replica_is_lost_runs_once_more_under_fresh_ids(tokenizer):
+    from cluster.api.openai_events import CompletionFormatter
+    from cluster.api.response_writer import json_answer
+    from cluster.transport import replica_avoidance
+
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        formatter = CompletionFormatter("cmpl-1", "m", 1)
+        runs: list[int] = []
+
+        def reopener(request_id: str, replica: str, lost: bool):
+            async def reopen(run: int):
+                runs.append(run)
+                rid = f"{request_id}~r{run}"
+                relay = await _open_with_first(engine, hub, tokenizer, rid, replica=replica)
+                if lost:
+                    engine.channels[replica][-1].put(_lost_actor())
+                else:
+                    engine.step(replica, _delta(rid, [66], 1, finish=True))
+                return [relay]
+            return reopen
+
+        async def lost_mid_answer(request_id: str, replica: str):
+            relay = await _open_with_first(engine, hub, tokenizer, request_id, replica=replica)
+            engine.step(replica, _delta(request_id, [65], 1))
+            await asyncio.sleep(0.01)
+            engine.channels[replica][-1].put(_lost_actor())
+            return [relay]
+
+        # lost once: the answer is the second run's, counted once, nothing of the first
+        counts = _TokenCounts()
+        relays = await lost_mid_answer("a", "rep-1")
+        body = await json_answer(relays, reopener("a", "rep-2", lost=False), formatter,
+                                 False, None, 2, metrics=counts)
+        assert body["choices"][0]["text"] == tokenizer.decode([66]) and runs == [1]
+        assert engine.admissions["a"].cancelled and counts.counted == [(2, 1)]
+        # lost twice: one run more only, then the 503 (no tokens out)
+        runs.clear()
+        counts = _TokenCounts()
+        relays = await lost_mid_answer("b", "rep-3")
+        with pytest.raises(ApiError) as info:
+            await json_answer(relays, reopener("b", "rep-4", lost=True), formatter,
+                              False, None, 2, metrics=counts)
+        assert (info.value.status, info.value.code) == (503, "engine_unavailable")
+        assert runs == [1] and counts.counted == [(2, 0)]
+        # the engine failing the request is its answer: a 500, never run again
+        runs.clear()
+        relay = await _open_with_first(engine, hub, tokenizer, "c", replica="rep-5")
+        engine.step("rep-5", TokenDelta("c", [], num_prompt_tokens=2, num_output_tokens=0,
+                                        finish_reason=FinishReason.ERROR, error="step failed"))
+        with pytest.raises(ApiError) as info:
+            await json_answer([relay], reopener("c", "rep-6", lost=False), formatter,
+                              False, None, 2)
+        assert info.value.status == 500 and runs == []
+        assert hub._collectors == {}
+
+    try:
+        asyncio.run(run())
+    finally:
+        replica_avoidance.clear()

@@ -45,6 +45,7 @@ class FakeRelay:
     def __init__(self, request_id: str, deltas: list[TextDelta], pause_s: float = 0.0):
         self.request_id = request_id
         self.timed_out = False
+        self.replica_lost = False
         self._deltas = deltas
         self._pause_s = pause_s
         self.aborted = False

@@ -302,7 +302,8 @@ def test_a_lost_node_ends_its_streams_with_errors_and_serve_recovers(cluster, en
     # New requests go to the node left. Until Serve learns that the replica is gone,
     # an ingress replica may still pick it: the request had no token yet, so it runs
     # on the other replica under a fresh engine request id (cluster/transport/relay.py), and
-    # no client sees the loss.
+    # no client sees the loss; a non-streamed one that got its first delta from the
+    # lost replica runs once more, whole (cluster/api/response_writer.py).
     probe_texts = reference(PROBE_TOKENS)
     for j, (sent, r, _) in enumerate(probes):
         assert r.status == 200, (j, sent, r.status, r.body[:300])
