@@ -392,10 +392,16 @@ class Ingress:
             started_at = time.monotonic()
             # NOTE: n choices are n engine requests, bounded and aborted as n
             # (cluster/api/choices.py)
+            answering_since = None  # when the first run had its first token
+
             def open_choices(run: int = 0):
                 # NOTE: a run after a lost replica has engine request ids of its own
-                # (`<id>~r<run>`): the lost replica's late deltas reach no collector.
+                # (`<id>~r<run>`): the lost replica's late deltas reach no collector;
+                # it gets what is left of the request's timeout, not a new one.
                 engine_id = f"{request_id}{RETRY_ID_SEP}r{run}" if run else request_id
+                timeout_s = self._request_timeout_s
+                if run and timeout_s is not None:
+                    timeout_s = max(0.001, timeout_s - (time.monotonic() - answering_since))
                 return open_relays(
                     self._engine_stream, self._channels,
                     choice_requests(engine_id, prompt_ids, params, self._channels.owner,
@@ -403,9 +409,10 @@ class Ingress:
                     lambda: TextStream(self._tokenizer, stop=req.stop_strings,
                                        include_stop_str_in_output=req.include_stop_str_in_output,
                                        skip_special_tokens=req.skip_special_tokens),
-                    timeout_s=self._request_timeout_s, queue_timeout_s=self._queue_timeout_s)
+                    timeout_s=timeout_s, queue_timeout_s=self._queue_timeout_s)
 
             relays = await open_choices()
+            answering_since = time.monotonic()
         finally:
             self._pending.leave()  # its first token is in, or it was refused
         timing = {"Server-Timing": _server_timing(time.monotonic() - admitted_at)}
