@@ -456,3 +456,38 @@ def test_a_json_answer_whose_replica_is_lost_runs_once_more_under_fresh_ids(toke
         asyncio.run(run())
     finally:
         replica_avoidance.clear()
+
+
+def test_n_choices_run_again_together_when_one_choice_loses_its_replica(tokenizer):
+    from cluster.api.openai_events import CompletionFormatter
+    from cluster.api.response_writer import json_answer
+    from cluster.transport import replica_avoidance
+
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        relays = [await _open_with_first(engine, hub, tokenizer, "a-0", replica="rep-1"),
+                  await _open_with_first(engine, hub, tokenizer, "a-1", replica="rep-2")]
+        engine.step("rep-2", _delta("a-1", [65], 1))  # the other choice is under way
+        await asyncio.sleep(0.01)
+        engine.channels["rep-1"][-1].put(_lost_actor())
+
+        async def reopen(run: int):
+            again = [await _open_with_first(engine, hub, tokenizer, f"a~r{run}-{i}",
+                                            replica="rep-3") for i in range(2)]
+            for i in range(2):
+                engine.step("rep-3", _delta(f"a~r{run}-{i}", [66 + i], 1, finish=True))
+            return again
+
+        body = await json_answer(relays, reopen, CompletionFormatter("cmpl-a", "m", 1),
+                                 False, None, 2)
+        assert [c["text"] for c in body["choices"]] == [tokenizer.decode([66]),
+                                                         tokenizer.decode([67])]
+        assert body["usage"]["completion_tokens"] == 2
+        assert engine.admissions["a-1"].cancelled  # the choice still running is aborted
+        assert hub._collectors == {}
+
+    try:
+        asyncio.run(run())
+    finally:
+        replica_avoidance.clear()
