@@ -82,6 +82,15 @@ class RaySideError(Exception):
     """What a dead replica's call raises (Ray wraps the cause)."""
 
 
+@pytest.fixture(autouse=True)
+def no_replica_avoided_after():
+    """A lost replica is avoided by this process for a while: not by the next test."""
+    from cluster.transport import replica_avoidance
+
+    yield
+    replica_avoidance.clear()
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from deltas.tokenization.tokenizer import Tokenizer
@@ -389,16 +398,12 @@ def test_a_replica_lost_mid_stream_ends_it_with_a_503_and_is_avoided(tokenizer):
             503, "engine_unavailable", {"Retry-After": "1"})
         assert replica_avoidance.is_avoided("rep-1")  # a client's retry goes elsewhere
 
-    try:
-        asyncio.run(run())
-    finally:
-        replica_avoidance.clear()
+    asyncio.run(run())
 
 
 def test_a_json_answer_whose_replica_is_lost_runs_once_more_under_fresh_ids(tokenizer):
     from cluster.api.openai_events import CompletionFormatter
     from cluster.api.response_writer import json_answer
-    from cluster.transport import replica_avoidance
 
     async def run():
         engine = ScriptedEngine()
@@ -452,16 +457,12 @@ def test_a_json_answer_whose_replica_is_lost_runs_once_more_under_fresh_ids(toke
         assert info.value.status == 500 and runs == []
         assert hub._collectors == {}
 
-    try:
-        asyncio.run(run())
-    finally:
-        replica_avoidance.clear()
+    asyncio.run(run())
 
 
 def test_n_choices_run_again_together_when_one_choice_loses_its_replica(tokenizer):
     from cluster.api.openai_events import CompletionFormatter
     from cluster.api.response_writer import json_answer
-    from cluster.transport import replica_avoidance
 
     async def run():
         engine = ScriptedEngine()
@@ -487,7 +488,4 @@ def test_n_choices_run_again_together_when_one_choice_loses_its_replica(tokenize
         assert engine.admissions["a-1"].cancelled  # the choice still running is aborted
         assert hub._collectors == {}
 
-    try:
-        asyncio.run(run())
-    finally:
-        replica_avoidance.clear()
+    asyncio.run(run())
