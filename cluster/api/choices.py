@@ -41,15 +41,17 @@ def choice_requests(request_id: str, prompt_ids: list[int], params: SamplingPara
 
 async def open_relays(engine_stream, hub: ChannelHub, requests: list[EngineRequest],
                       new_text_stream: Callable[[], object], timeout_s: float | None = None,
-                      queue_timeout_s: float | None = None) -> list[Relay]:
-    """One open relay per request, in order. On the first refusal (ApiError), or when
-    cancelled (the client left), the opens still waiting stop and every request
-    already admitted is aborted; then the refusal (or the cancel) is raised."""
+                      queue_timeout_s: float | None = None, **relay_options) -> list[Relay]:
+    """One open relay per request, in order (`relay_options`: `Relay.open`'s). On the
+    first refusal (ApiError), or when cancelled (the client left), the opens still
+    waiting stop and every request already admitted is aborted; then the refusal
+    (or the cancel) is raised."""
     async def open_one(index: int, request: EngineRequest) -> Relay:
         if index:
             _own_serve_request_id(index)
         return await Relay.open(engine_stream, hub, request, new_text_stream(),
-                                timeout_s=timeout_s, queue_timeout_s=queue_timeout_s)
+                                timeout_s=timeout_s, queue_timeout_s=queue_timeout_s,
+                                **relay_options)
 
     first = await open_one(0, requests[0])
     if len(requests) == 1:

@@ -33,8 +33,7 @@ from cluster.errors import ApiError, bad_request
 from cluster.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                          validation_error_message)
 from cluster.transport.channels import ChannelHub
-from cluster.transport.relay import RETRY_ID_SEP
-from cluster.api.choices import choice_requests, open_relays
+from cluster.api.choice_runs import ChoiceRuns
 from cluster.errors import replica_error
 from cluster.api.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter
 from cluster.api.pending_gate import PendingGate
@@ -392,27 +391,13 @@ class Ingress:
             started_at = time.monotonic()
             # NOTE: n choices are n engine requests, bounded and aborted as n
             # (cluster/api/choices.py)
-            answering_since = None  # when the first run had its first token
-
-            def open_choices(run: int = 0):
-                # NOTE: a run after a lost replica has engine request ids of its own
-                # (`<id>~r<run>`): the lost replica's late deltas reach no collector;
-                # it gets what is left of the request's timeout, not a new one.
-                engine_id = f"{request_id}{RETRY_ID_SEP}r{run}" if run else request_id
-                timeout_s = self._request_timeout_s
-                if run and timeout_s is not None:
-                    timeout_s = max(0.001, timeout_s - (time.monotonic() - answering_since))
-                return open_relays(
-                    self._engine_stream, self._channels,
-                    choice_requests(engine_id, prompt_ids, params, self._channels.owner,
-                                    req.n),
-                    lambda: TextStream(self._tokenizer, stop=req.stop_strings,
-                                       include_stop_str_in_output=req.include_stop_str_in_output,
-                                       skip_special_tokens=req.skip_special_tokens),
-                    timeout_s=timeout_s, queue_timeout_s=self._queue_timeout_s)
-
-            relays = await open_choices()
-            answering_since = time.monotonic()
+            runs = ChoiceRuns(
+                self._engine_stream, self._channels, request_id, prompt_ids, params, req.n,
+                lambda: TextStream(self._tokenizer, stop=req.stop_strings,
+                                   include_stop_str_in_output=req.include_stop_str_in_output,
+                                   skip_special_tokens=req.skip_special_tokens),
+                self._pending, self._request_timeout_s, self._queue_timeout_s)
+            relays = await runs.open()
         finally:
             self._pending.leave()  # its first token is in, or it was refused
         timing = {"Server-Timing": _server_timing(time.monotonic() - admitted_at)}
@@ -425,8 +410,9 @@ class Ingress:
                                 len(prompt_ids))
             return SSEResponse(events, media_type="text/event-stream",
                                headers={**SSE_HEADERS, **timing})
-        return JSONResponse(await json_answer(relays, open_choices, formatter, chat, token_text,
-                                              len(prompt_ids), metrics=self._metrics),
+        return JSONResponse(await json_answer(relays, runs.open_again, formatter, chat,
+                                              token_text, len(prompt_ids),
+                                              metrics=self._metrics),
                             headers=timing)
 
     def _check_prompt_chars(self, req, chat: bool, max_model_len: int) -> int:

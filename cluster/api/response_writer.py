@@ -7,7 +7,9 @@ out. A client disconnect cancels the generator; `Relay` then stops the replica.
 An engine replica lost while generating ends a stream with a 503-shaped error
 event (a client's retry lands on a replica still there). A non-streamed answer
 sent nothing yet, so `json_answer` runs it again, once, on the choices' new
-engine requests; a second loss is the 503 itself.
+engine requests (cluster/api/choice_runs.py), unless the request already used its
+retry after a lost replica before its first token; a loss it may not run again
+after is its 503.
 """
 from __future__ import annotations
 
@@ -216,15 +218,23 @@ async def json_answer(relays: list[Relay], reopen: Callable[[int], Awaitable[lis
                       formatter, chat: bool, token_text: TokenText | None,
                       num_prompt_tokens: int, metrics=None) -> dict:
     """The body of the request whose choices `relays` read; where a replica is lost
-    mid-answer, `reopen(run)` opens the choices again (run 1, ...) and they answer."""
+    mid-answer, `reopen(run)` opens the choices again (run 1, ...: its relays get no
+    retry after a lost replica) and they answer. A request whose choices already
+    used that retry before their first token is not run again (cluster/api/choice_runs.py)."""
     for run in range(MAX_LOST_ANSWER_RETRIES + 1):
+        retry_lost = (run < MAX_LOST_ANSWER_RETRIES
+                      and not any(relay.num_replica_losses for relay in relays))
         try:
             return await json_body(relays, formatter, chat, token_text, num_prompt_tokens,
-                                   metrics, retry_lost=run < MAX_LOST_ANSWER_RETRIES)
+                                   metrics, retry_lost=retry_lost)
         except AnswerLost:
             logger.warning("an engine replica was lost while answering %s: running it again",
                            relays[0].request_id)
+        try:
             relays = await reopen(run + 1)
+        except BaseException:
+            count_tokens(metrics, num_prompt_tokens, 0)  # the lost run's prompt, no answer
+            raise
     raise AssertionError("unreachable: the last run raises the loss as a 503")
 
 

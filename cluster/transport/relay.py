@@ -20,8 +20,8 @@ that took its replica down must not take the next). Serve's router drops a dead
 actor by itself. An engine that fails a request it already admitted (an error
 delta) is its answer, never retried. A replica lost after the first delta ends the
 deltas with an error and sets `replica_lost`: the ingress may still run a
-non-streamed request again, as none of its answer went out
-(cluster/api/response_writer.py).
+non-streamed request again, as none of its answer went out, if the request has its
+retry left (`num_replica_losses`; cluster/api/choice_runs.py).
 Waiting for the first token (Serve's queue, the engine's queue, the prefill) is
 bounded by `queue_timeout_s`: past it, 503 + Retry-After.
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import AsyncIterator
 
 import msgspec
@@ -59,6 +60,8 @@ MAX_ADMISSION_ATTEMPTS = 3
 # Of those, retries after the replica itself was lost (its actor died or cannot be
 # reached, its channel failed), not refused cleanly by a dead engine: a request that
 # took its replica down (out of memory in its prefill, say) takes one more at most.
+# One per request: a non-streamed answer run again after a loss mid-answer uses it
+# (cluster/api/choice_runs.py).
 MAX_REPLICA_LOSS_RETRIES = 1
 RETRY_BACKOFF_S = 0.05
 # Between a request's id and its attempt number in a retry's engine request id.
@@ -68,35 +71,44 @@ QUEUE_TIMEOUT_RETRY_AFTER_S = 5.0
 
 class Relay:
     def __init__(self, request_id: str, hub: ChannelHub, call, collector: DeltaCollector,
-                 text_stream, timeout_s: float | None = None) -> None:
+                 text_stream, timeout_s: float | None = None,
+                 deadline: float | None = None) -> None:
         self.request_id = request_id
         self._hub = hub
         self._call = call
         self._collector = collector
         self._text_stream = text_stream
         self._timeout_s = timeout_s
+        self._deadline = deadline
         self._first: TokenDelta | None = None
         self._watcher: asyncio.Task | None = None
         self._base_id = request_id
         self._failure: ApiError | None = None  # why the admission call failed
         self._failure_cause: BaseException | None = None
         self.timed_out = False  # the request ran past `timeout_s` and was stopped
-        # its replica was lost (actor gone, channel failed) after its first delta
+        # replicas lost before its first delta (each retried elsewhere), and whether
+        # its replica was lost after it (actor gone, channel failed)
+        self.num_replica_losses = 0
         self.replica_lost = False
         self._replica_id: str | None = None
 
     @classmethod
     async def open(cls, engine_stream, hub: ChannelHub, request: EngineRequest, text_stream,
-                   timeout_s: float | None = None,
-                   queue_timeout_s: float | None = None) -> "Relay":
+                   timeout_s: float | None = None, queue_timeout_s: float | None = None,
+                   max_replica_loss_retries: int = MAX_REPLICA_LOSS_RETRIES,
+                   deadline: float | None = None) -> "Relay":
         """Admit `request` and wait for its first delta. Raises ApiError (400, 429,
         503, 500) when it is refused or fails before its first token, and 503 when
-        that takes longer than `queue_timeout_s`."""
+        that takes longer than `queue_timeout_s`. `max_replica_loss_retries`: what is
+        left of the request's retries after lost replicas (a run again has none);
+        `deadline` (time.monotonic()): when it times out, where not `timeout_s`
+        after its first token (a run again keeps its first run's)."""
         collector = hub.register(request.request_id)
-        relay = cls(request.request_id, hub, None, collector, text_stream, timeout_s)
+        relay = cls(request.request_id, hub, None, collector, text_stream, timeout_s, deadline)
         try:
             try:
-                await asyncio.wait_for(relay._admit(engine_stream, request), queue_timeout_s)
+                await asyncio.wait_for(relay._admit(engine_stream, request,
+                                                    max_replica_loss_retries), queue_timeout_s)
             except asyncio.TimeoutError:
                 raise ApiError(503, f"The request got no first token within "
                                f"{queue_timeout_s:g} s (queue_timeout_s): the server is busy; "
@@ -107,8 +119,8 @@ class Relay:
             raise
         return relay
 
-    async def _admit(self, engine_stream, request: EngineRequest) -> None:
-        replica_losses = 0
+    async def _admit(self, engine_stream, request: EngineRequest,
+                     max_replica_loss_retries: int) -> None:
         for attempt in range(MAX_ADMISSION_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(RETRY_BACKOFF_S * attempt)  # Serve learns of the loss
@@ -129,9 +141,9 @@ class Relay:
                 cause = replica_cause(e)
                 dead_engine = isinstance(cause, ReplicaUnavailable) and cause.replica_id
                 if not dead_engine:
-                    replica_losses += is_replica_lost(e)
+                    self.num_replica_losses += is_replica_lost(e)
                 if (last or not is_replica_lost(e)
-                        or replica_losses > MAX_REPLICA_LOSS_RETRIES):
+                        or self.num_replica_losses > max_replica_loss_retries):
                     raise replica_error(e) from None
                 logger.warning("engine replica %s lost %s before admitting it (%s): trying "
                                "another", dead_engine or "(unknown)", request.request_id,
@@ -151,8 +163,8 @@ class Relay:
             if not self._lost_its_replica():
                 raise self._failure or ApiError(500, f"The request failed: {first.error}",
                                                 code="engine_error")
-            replica_losses += 1
-            if last or replica_losses > MAX_REPLICA_LOSS_RETRIES:
+            self.num_replica_losses += 1
+            if last or self.num_replica_losses > max_replica_loss_retries:
                 raise self._failure or ApiError(
                     503, "The engine replica was lost before the first token; retry later",
                     code="engine_unavailable", retry_after_s=1.0)
@@ -186,7 +198,9 @@ class Relay:
         timer = None
         if delta.finish_reason is None and self._timeout_s is not None:
             # NOTE: one timer per request, nothing per delta.
-            timer = asyncio.get_running_loop().call_later(self._timeout_s, self._time_out)
+            delay = (self._timeout_s if self._deadline is None
+                     else max(0.0, self._deadline - time.monotonic()))
+            timer = asyncio.get_running_loop().call_later(delay, self._time_out)
         engine_done = False
         try:
             while True:

@@ -4,6 +4,7 @@ messages and `Relay` turns them into text deltas."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -486,6 +487,93 @@ def test_n_choices_run_again_together_when_one_choice_loses_its_replica(tokenize
                                                          tokenizer.decode([67])]
         assert body["usage"]["completion_tokens"] == 2
         assert engine.admissions["a-1"].cancelled  # the choice still running is aborted
+        assert hub._collectors == {}
+
+    asyncio.run(run())
+
+
+# --- a run again (cluster/api/choice_runs.py): ids, pending bound, one retry, one timeout ---
+
+async def _first_deltas(engine, request_ids, replica="rep-1"):
+    """Answer each admission of `request_ids`, in order, with a first (empty) delta."""
+    for rid in request_ids:
+        await _until(lambda: rid in engine.admissions and engine.channels.get(replica))
+        await asyncio.sleep(0.01)
+        engine.step(replica, _delta(rid, [], 0))
+
+
+def _runs(engine, hub, tokenizer, request_id, n=1, gate=None, timeout_s=None):
+    from cluster.api.choice_runs import ChoiceRuns
+    from cluster.api.pending_gate import PendingGate
+
+    return ChoiceRuns(engine, hub, request_id, [5, 6], SamplingParams(max_tokens=16), n,
+                      lambda: TextStream(tokenizer), gate or PendingGate(None), timeout_s,
+                      None)
+
+
+def test_a_run_again_has_ids_of_its_own_waits_in_the_pending_bound_and_is_not_retried(
+        tokenizer):
+    from cluster.api.pending_gate import PendingGate
+
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        gate = PendingGate(limit=1)
+        runs = _runs(engine, hub, tokenizer, "cmpl-a", n=2, gate=gate)
+        first = asyncio.ensure_future(runs.open())
+        await _first_deltas(engine, ["cmpl-a-0", "cmpl-a-1"])
+        assert [r.request_id for r in await first] == ["cmpl-a-0", "cmpl-a-1"]
+        again = asyncio.ensure_future(runs.open_again(1))
+        await _until(lambda: "cmpl-a~r1-0" in engine.admissions)
+        assert gate.num_pending == 1  # waiting for its first token, it counts
+        await _first_deltas(engine, ["cmpl-a~r1-0", "cmpl-a~r1-1"])
+        assert [r.request_id for r in await again] == ["cmpl-a~r1-0", "cmpl-a~r1-1"]
+        assert gate.num_pending == 0
+        for relay in await first + await again:
+            relay.abort()
+        # a run again whose replica is lost before its first token: no retry, 503
+        runs = _runs(engine, hub, tokenizer, "cmpl-b")
+        first = asyncio.ensure_future(runs.open())
+        await _first_deltas(engine, ["cmpl-b"])
+        (await first)[0].abort()
+        engine.refusals["cmpl-b~r1"] = _lost_actor()
+        with pytest.raises(ApiError) as info:
+            await runs.open_again(1)
+        assert (info.value.status, info.value.code) == (503, "engine_unavailable")
+        assert [r for r in engine.admissions if r.startswith("cmpl-b")] == ["cmpl-b", "cmpl-b~r1"]
+        assert hub._collectors == {} and gate.num_pending == 0
+
+    asyncio.run(run())
+
+
+def test_a_run_again_keeps_the_first_runs_timeout(tokenizer):
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        # its first token comes: the answer ends when the first run's timeout does
+        runs = _runs(engine, hub, tokenizer, "a", timeout_s=0.4)
+        first = asyncio.ensure_future(runs.open())
+        await _first_deltas(engine, ["a"])
+        (await first)[0].abort()
+        again = asyncio.ensure_future(runs.open_again(1))
+        await _first_deltas(engine, ["a~r1"])
+        relay, = await again
+        out = [td async for td in relay.text_deltas()]
+        assert out[-1].finish_reason == FinishReason.ERROR and relay.timed_out
+        assert time.monotonic() - runs._first_token_at < 0.4 + 0.2
+        # no first token before the timeout: 504, not a 503 for the queue
+        runs = _runs(engine, hub, tokenizer, "b", timeout_s=0.3)
+        first = asyncio.ensure_future(runs.open())
+        await _first_deltas(engine, ["b"])
+        (await first)[0].abort()
+        with pytest.raises(ApiError) as info:
+            await runs.open_again(1)
+        assert (info.value.status, info.value.code) == (504, "timeout")
+        assert engine.admissions["b~r1"].cancelled
+        # the timeout already past: 504 without admitting it anywhere
+        with pytest.raises(ApiError) as info:
+            await runs.open_again(2)
+        assert info.value.status == 504 and "b~r2" not in engine.admissions
         assert hub._collectors == {}
 
     asyncio.run(run())

@@ -46,6 +46,7 @@ class FakeRelay:
         self.request_id = request_id
         self.timed_out = False
         self.replica_lost = False
+        self.num_replica_losses = 0
         self._deltas = deltas
         self._pause_s = pause_s
         self.aborted = False
@@ -304,3 +305,47 @@ def test_each_choice_is_routed_under_an_internal_request_id_of_its_own(monkeypat
 
     assert asyncio.run(run()) == "abc"  # the request's own context is untouched
     assert sorted(seen) == ["abc", "abc-1", "abc-2"]
+
+
+def _lost_mid_answer(request_id: str, **flags) -> FakeRelay:
+    relay = FakeRelay(request_id, [TextDelta("x"), TextDelta("", finish_reason=FinishReason.ERROR,
+                                                             error="replica gone")])
+    relay.replica_lost = True
+    for name, value in flags.items():
+        setattr(relay, name, value)
+    return relay
+
+
+@pytest.mark.parametrize("flags, status", [
+    ({"num_replica_losses": 1}, 503),  # its one retry went on a loss before the first token
+    ({"timed_out": True}, 504),  # timed out: its timeout, not the loss, is the answer
+])
+def test_an_answer_lost_mid_way_is_not_run_again_when_it_may_not_be(flags, status):
+    from cluster.api.response_writer import json_answer
+
+    runs = []
+
+    async def reopen(run):
+        runs.append(run)
+        return [FakeRelay("again", _deltas(["y"]))]
+
+    counted = []
+    metrics = type("M", (), {"count_tokens": lambda self, p, o: counted.append((p, o))})()
+    with pytest.raises(ApiError) as info:
+        asyncio.run(json_answer([_lost_mid_answer("r", **flags)], reopen,
+                                CompletionFormatter("i", "m", 1), False, None, 5, metrics))
+    assert info.value.status == status and runs == [] and counted == [(5, 0)]
+
+
+def test_a_client_gone_while_the_answer_runs_again_counts_its_prompt_once():
+    from cluster.api.response_writer import json_answer
+
+    async def reopen(run):
+        raise asyncio.CancelledError  # the client left while it was admitted again
+
+    counted = []
+    metrics = type("M", (), {"count_tokens": lambda self, p, o: counted.append((p, o))})()
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(json_answer([_lost_mid_answer("r")], reopen,
+                                CompletionFormatter("i", "m", 1), False, None, 5, metrics))
+    assert counted == [(5, 0)]
