@@ -205,7 +205,8 @@ class Relay:
         try:
             while True:
                 engine_done = delta.finish_reason is not None
-                if delta.finish_reason == FinishReason.ERROR and self._lost_its_replica():
+                if (engine_done and delta.finish_reason == FinishReason.ERROR
+                        and self._lost_its_replica()):
                     self.replica_lost = True
                     avoid_replica(self._replica_id)  # a retry goes elsewhere
                     # NOTE: an unreachable replica may still run it: abort it there
