@@ -12,7 +12,7 @@ substitute only what they must, and nothing else:
   `RAY_DASHBOARD_ADDRESS` pointing the `serve` CLI at that dashboard;
 - `make --old-file=<venv>/.installed serve VENV=<venv>`: never reinstall the venv
   from a test (a `make -n` first proves only the launcher would run);
-- locust's `--run-time 2m` becomes 12 s, its `--csv` goes to a temp dir;
+- locust's `--run-time 2m` becomes 20 s, its `--csv` goes to a temp dir;
 - a Ray temp dir per shell, and, where Linux allows, a private PID namespace, so
   `ray stop` stops only what the test started.
 
