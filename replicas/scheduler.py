@@ -5,9 +5,10 @@ Never touches a device: it hands the runner a plain `SchedulerOutput`.
 A decision is either a *mixed step* (some prompt tokens to compute: chunks of
 prefills plus one token for every decoding request; one step) or a *decode
 window* (every running request decodes; `num_scheduler_steps` steps back to
-back). New prompts are admitted only at these boundaries. A window reserves the
-slots of its N-1 lookahead tokens up front, so block tables never change inside
-it, and preemption happens before a window, never inside one.
+back). New prompts are admitted only at these boundaries; while the waiting ones
+cannot be (every seat taken, or no blocks), running decodes still run as windows.
+A window reserves the slots of its N-1 lookahead tokens up front, so block tables
+never change inside it, and preemption happens before a window, never inside one.
 
 Prefix caching: a request being admitted takes the longest chain of cached full
 blocks of its tokens (prompt, plus output after a preemption) and computes only
@@ -99,8 +100,13 @@ class Scheduler:
                 # only half-computed prompts hold the blocks: the latest yields them
                 self._preempt(self.running[-1], out)
                 self._schedule_mixed_step(out)
-            if not out.is_empty:
+            if out.prefill_seqs or not all(r.is_decoding for r in self.running):
                 return out
+            # NOTE: no prompt token fits (every seat taken, or no blocks for the head of
+            # the queue): a step of decodes alone would give a backlogged engine single
+            # steps for as long as the queue waits; the same decodes run as a window,
+            # and the queue is looked at again at its end.
+            out = SchedulerOutput(preempted_requests=out.preempted_requests)
         if self.running:
             self._schedule_decode_window(out)
         return out

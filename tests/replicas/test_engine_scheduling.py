@@ -55,6 +55,29 @@ def test_preemption_happens_with_a_tiny_kv_budget():
         assert engine.core.block_manager.num_free_blocks == 24
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(max_num_seqs=3),  # every seat taken while the queue waits
+    dict(num_kv_blocks=24, block_size=16, max_model_len=256),  # no blocks for the queue's head
+])
+def test_a_backlogged_engine_decodes_in_windows(reference, cfg):
+    """Decodes alone run as N-step windows while prompts wait that cannot be admitted;
+    only steps holding prompt tokens run one step at a time."""
+    steps = []
+    with Engine(EngineConfig(model="tiny", num_scheduler_steps=8, **cfg)) as engine:
+        execute = engine.core.runner.execute
+
+        def recording(sched, on_step):
+            steps.append((len(sched.prefill_seqs), sched.num_steps,
+                          len(engine.core.scheduler.waiting)))
+            return execute(sched, on_step)
+        engine.core.runner.execute = recording
+        outs = [o.token_ids for o in engine.generate(_prompts(), GREEDY)]
+    assert outs == reference
+    assert any(waiting for _, _, waiting in steps), "the queue must have waited"
+    assert all(num_steps == 8 for num_prefills, num_steps, _ in steps if not num_prefills)
+    assert all(num_steps == 1 for num_prefills, num_steps, _ in steps if num_prefills)
+
+
 def test_stops_inside_a_window_emit_nothing_past_the_stop(reference):
     prompts = _prompts()
     # a stop token that appears mid-output in the greedy reference
