@@ -3,7 +3,8 @@ step_profile part).
 
 The Llama-3.1-8B shape with random bf16 weights drawn on the device (as
 `loadtests.gpu_check` does), B streams prefilled, then decode windows timed while every
-stream decodes, for N=8 and N=1. One more window runs under torch's profiler with CPU
+stream decodes, for N=8 and N=1, with the captured decode graphs and then the same
+windows eager (the graphs set aside). One more window runs under torch's profiler with CPU
 and CUDA activities, so the step splits into GPU busy time (kernels, by name) and the
 host's time around it: a step whose wall time is far above its kernels' is bound by
 the host (scheduling, sampling bookkeeping, output processing, launches).
@@ -49,12 +50,14 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
             engine.step()
         for _ in range(2):  # settle: graphs warm, outputs flowing
             engine.step()
-        sync()
-        steps0, start = core.num_steps, time.perf_counter()
-        for _ in range(num_windows):
-            engine.step()
-        sync()
-        step_ms = (time.perf_counter() - start) * 1e3 / (core.num_steps - steps0)
+        step_ms = _timed_step_ms(engine, num_windows, sync)
+        graphs, eager_step_ms = core.runner.decode_graphs, None
+        if graphs is not None:  # the same windows without the captured graphs
+            core.runner.decode_graphs = None
+            try:
+                eager_step_ms = _timed_step_ms(engine, num_windows, sync)
+            finally:
+                core.runner.decode_graphs = graphs
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         steps0 = core.num_steps
         with profile(activities=activities) as prof:
@@ -70,6 +73,8 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
         host = sorted(((e.key, e.self_cpu_time_total) for e in events), key=lambda kv: -kv[1])
         return {
             "num_steps": num_steps, "batch": batch, "step_ms": step_ms,
+            "eager_step_ms": eager_step_ms,
+            "graph_vs_eager_step_time": step_ms / eager_step_ms if eager_step_ms else None,
             "full_batch_tok_s": batch / step_ms * 1e3,
             "profiled_window_ms": window_ms, "profiled_steps": profiled_steps,
             "device_busy_ms_per_step": device_busy_ms / max(1, profiled_steps),
@@ -79,6 +84,17 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
         }
     finally:
         engine.shutdown()
+
+
+def _timed_step_ms(engine, num_windows: int, sync) -> float:
+    """Wall time per decode step over num_windows engine steps (windows), device drained."""
+    core = engine.core
+    sync()
+    steps0, start = core.num_steps, time.perf_counter()
+    for _ in range(num_windows):
+        engine.step()
+    sync()
+    return (time.perf_counter() - start) * 1e3 / (core.num_steps - steps0)
 
 
 class StepMix:

@@ -58,15 +58,20 @@ def test_gpu_check_end_to_end_plumbing_runs_on_cpu(tmp_path):
                            "--num-requests", "8", "--total-budget-s", "120"])
     part = data["parts"]["end_to_end"]
     assert part["status"] == "ok", part
-    for name, _ in gpu_check.E2E_CONFIGS:
-        config = part["result"]["configs"][name]
-        summary = config["summary"]
-        assert summary["completed"] == 8 and summary["failed"] == 0
-        mix = config["step_mix"]  # every prompt token went through a prefill step
-        assert mix["prefill_or_mixed"]["prefill_tokens"] == part["result"]["total_prompt_tokens"]
-        assert mix["decode_windows"]["seconds"] > 0
+    workloads = part["result"]["workloads"]
+    assert list(workloads) == ["16 x 16/32", "sharegpt-like"]
+    assert workloads["sharegpt-like"]["num_requests"] == 8
+    for workload in workloads.values():
+        for name, _ in gpu_check.E2E_CONFIGS:
+            config = workload["configs"][name]
+            summary = config["summary"]
+            assert summary["completed"] == workload["num_requests"] and summary["failed"] == 0
+            mix = config["step_mix"]  # every prompt token went through a prefill step
+            assert mix["prefill_or_mixed"]["prefill_tokens"] == workload["total_prompt_tokens"]
+            assert mix["decode_windows"]["seconds"] > 0
+        assert workload["comparison"]["window_vs_step_median_itl_ratio"] > 0
     assert json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["end_to_end"]["status"] == "ok"
-    assert (tmp_path / "gpu_check_blocks.txt").read_text().count("Serving Benchmark Result") == 3
+    assert (tmp_path / "gpu_check_blocks.txt").read_text().count("Serving Benchmark Result") == 6
 
 
 def test_gpu_check_step_profile_plumbing_runs_on_cpu(tmp_path):
@@ -78,3 +83,4 @@ def test_gpu_check_step_profile_plumbing_runs_on_cpu(tmp_path):
     for w in windows:  # every stream decodes in the timed windows, and a whole window is profiled
         assert w["batch"] == 16 and w["step_ms"] > 0 and w["profiled_steps"] == w["num_steps"]
         assert w["top_host_self_ms_per_step"]
+        assert w["eager_step_ms"] is None  # no decode graphs on CPU
