@@ -3,8 +3,9 @@ step_profile part).
 
 The Llama-3.1-8B shape with random bf16 weights drawn on the device (as
 `loadtests.gpu_check` does), B streams prefilled, then decode windows timed while every
-stream decodes, for N=8 and N=1, with the captured decode graphs and then the same
-windows eager (the graphs set aside). One more window runs under torch's profiler with CPU
+stream decodes, for N=8 and N=1, with the captured decode graphs, then the same
+windows eager (the graphs set aside), then eager with torch's operators in place of
+the Triton layer ops (replicas/models/triton_layer_ops.py). One more window runs under torch's profiler with CPU
 and CUDA activities, so the step splits into GPU busy time (kernels, by name) and the
 host's time around it: a step whose wall time is far above its kernels' is bound by
 the host (scheduling, sampling bookkeeping, output processing, launches).
@@ -51,13 +52,18 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
         for _ in range(2):  # settle: graphs warm, outputs flowing
             engine.step()
         step_ms = _timed_step_ms(engine, num_windows, sync)
-        graphs, eager_step_ms = core.runner.decode_graphs, None
+        runner = core.runner
+        graphs, eager_step_ms, eager_torch_ops_step_ms = runner.decode_graphs, None, None
         if graphs is not None:  # the same windows without the captured graphs
-            core.runner.decode_graphs = None
+            runner.decode_graphs = None
             try:
                 eager_step_ms = _timed_step_ms(engine, num_windows, sync)
+                # and with torch's operators for RMSNorm, rotary and SiLU x up
+                runner.model.native_layer_ops = False
+                eager_torch_ops_step_ms = _timed_step_ms(engine, num_windows, sync)
             finally:
-                core.runner.decode_graphs = graphs
+                runner.model.native_layer_ops = True
+                runner.decode_graphs = graphs
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         steps0 = core.num_steps
         with profile(activities=activities) as prof:
@@ -73,8 +79,13 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
         host = sorted(((e.key, e.self_cpu_time_total) for e in events), key=lambda kv: -kv[1])
         return {
             "num_steps": num_steps, "batch": batch, "step_ms": step_ms,
+            "layer_ops": type(runner.model.layer_ops(torch.empty(
+                0, dtype=runner.model.embed_tokens.weight.dtype, device=runner.device))).__name__,
             "eager_step_ms": eager_step_ms,
             "graph_vs_eager_step_time": step_ms / eager_step_ms if eager_step_ms else None,
+            "eager_torch_ops_step_ms": eager_torch_ops_step_ms,
+            "layer_ops_vs_torch_ops_eager_step_time": (eager_step_ms / eager_torch_ops_step_ms
+                                                       if eager_torch_ops_step_ms else None),
             "full_batch_tok_s": batch / step_ms * 1e3,
             "profiled_window_ms": window_ms, "profiled_steps": profiled_steps,
             "device_busy_ms_per_step": device_busy_ms / max(1, profiled_steps),

@@ -76,6 +76,10 @@ class ModelRunner:
             load_first_max()
             if config.dtype == "bfloat16":
                 load_bf16_layer_ops()
+        elif self.device.type == "cuda" and config.dtype in ("bfloat16", "float16"):
+            # NOTE: compiled and checked here, before the memory profile and graph capture
+            from replicas.models.triton_layer_ops import load_triton_layer_ops
+            load_triton_layer_ops(self.device)
         self.backend = _select_backend(config, self.device)
         logger.info("attention backend: %s", self.backend.name)
         mc = self.model_config

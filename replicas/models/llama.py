@@ -7,14 +7,28 @@ q/k/v projections and gate/up are fused at load time: one matmul each on CPU.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
 from replicas.attention.base import AttentionBackend, AttentionMetadata
-from replicas.models.bf16_layer_ops import Bf16LayerOps, load_bf16_layer_ops
+from replicas.models.bf16_layer_ops import load_bf16_layer_ops
 from replicas.models.model_config import ModelConfig
+
+
+class LayerOps(Protocol):
+    """A layer's elementwise passes, one kernel each: bf16_layer_ops.Bf16LayerOps (C,
+    CPU) or triton_layer_ops.TritonLayerOps (CUDA)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+               num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +48,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                    ops: Bf16LayerOps | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    ops: LayerOps | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(h), h) with h = x + residual (x when residual is None)."""
         if ops is not None and self.weight.dtype == x.dtype:
             return ops.rms_norm(x, self.weight, self.eps, residual)
@@ -111,7 +125,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend, ops: Bf16LayerOps | None = None) -> torch.Tensor:
+                backend: AttentionBackend, ops: LayerOps | None = None) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         cos, sin = rope_tables
@@ -143,7 +157,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: Bf16LayerOps | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if ops is not None:
             return self.down_proj(ops.silu_mul(gate_up))
@@ -178,11 +192,17 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: a switch for benchmarks, which run torch's operators beside the kernel
         self.native_layer_ops = True
 
-    def layer_ops(self, h: torch.Tensor) -> Bf16LayerOps | None:
-        """The C kernel's layer ops for bfloat16 activations on a CPU, where it builds."""
-        if not self.native_layer_ops or h.dtype != torch.bfloat16 or h.device.type != "cpu":
+    def layer_ops(self, h: torch.Tensor) -> LayerOps | None:
+        """The C kernel's layer ops for bfloat16 activations on a CPU, the Triton kernels'
+        for bfloat16 and float16 on CUDA, where they build; else None (torch operators)."""
+        if not self.native_layer_ops:
             return None
-        return load_bf16_layer_ops()[0]
+        if h.device.type == "cpu" and h.dtype == torch.bfloat16:
+            return load_bf16_layer_ops()[0]
+        if h.device.type == "cuda" and h.dtype in (torch.bfloat16, torch.float16):
+            from replicas.models.triton_layer_ops import load_triton_layer_ops
+            return load_triton_layer_ops(h.device)[0]
+        return None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
