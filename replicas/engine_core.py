@@ -113,10 +113,13 @@ class EngineCore:
 
     def step(self) -> bool:
         """One scheduling decision and its steps; False when there was nothing to run."""
-        # NOTE: after a single step, one step of outputs may stay in flight (a
-        # finished request then runs at most one extra step); after a window, all
-        # must land, or a request that stopped in it would run a whole extra window.
-        self.output.wait(1 if self._last_num_steps == 1 else 0)
+        # NOTE: with N=1, one step of outputs may stay in flight (a finished request
+        # then runs at most one extra step). With N>1 all must land first: the next
+        # decision may be a window (after a window, or after a mixed step when no
+        # waiting prompt can be admitted), and a request that stopped in flight would
+        # run all of it, holding its seat while prompts wait.
+        in_flight = 1 if self.config.num_scheduler_steps == 1 and self._last_num_steps == 1 else 0
+        self.output.wait(in_flight)
         self._free_finished()
         sched = self.scheduler.schedule()
         if sched.is_empty:

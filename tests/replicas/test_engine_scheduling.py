@@ -78,6 +78,30 @@ def test_a_backlogged_engine_decodes_in_windows(reference, cfg):
     assert all(num_steps == 1 for num_prefills, num_steps, _ in steps if num_prefills)
 
 
+def test_a_request_that_stopped_in_a_mixed_step_runs_no_window(reference):
+    """Short answers end in the step that admits them (max_tokens 1) or soon after; the
+    window that follows never carries one that already has all its tokens."""
+    prompts = _prompts()
+    stale = []
+    with Engine(EngineConfig(model="tiny", num_scheduler_steps=8, max_num_seqs=3)) as engine:
+        execute = engine.core.runner.execute
+
+        def recording(sched, on_step):
+            if sched.num_steps > 1:
+                stale.extend(s.request.request_id for s in sched.decode_seqs
+                             if len(s.request.output_token_ids) >= s.request.max_output_tokens)
+            return execute(sched, on_step)
+        engine.core.runner.execute = recording
+        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=1 + i % 3,
+                                                    ignore_eos=True))
+               for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+        outs = [engine.output(r).token_ids for r in ids]
+    assert not stale, f"finished requests ran a window: {stale}"
+    assert outs == [ref[:1 + i % 3] for i, ref in enumerate(reference)]
+
+
 def test_stops_inside_a_window_emit_nothing_past_the_stop(reference):
     prompts = _prompts()
     # a stop token that appears mid-output in the greedy reference
