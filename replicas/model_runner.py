@@ -24,6 +24,7 @@ from replicas.kv_cache.host_memory import available_host_bytes
 from replicas.kv_cache.memory_profile import allocate_kv_caches, profile_cuda_memory
 from replicas.models.bf16_layer_ops import load_bf16_layer_ops
 from replicas.sampling.greedy import load_first_max
+from replicas.models.llama import cuda_layer_ops
 from replicas.models.loader import load_model
 from replicas.models.model_config import ModelConfig
 from replicas.models.packed_linear import pack_linears
@@ -78,8 +79,7 @@ class ModelRunner:
                 load_bf16_layer_ops()
         elif self.device.type == "cuda" and config.dtype in ("bfloat16", "float16"):
             # NOTE: compiled and checked here, before the memory profile and graph capture
-            from replicas.models.triton_layer_ops import load_triton_layer_ops
-            load_triton_layer_ops(self.device)
+            cuda_layer_ops(self.device, getattr(torch, config.dtype))
         self.backend = _select_backend(config, self.device)
         logger.info("attention backend: %s", self.backend.name)
         mc = self.model_config

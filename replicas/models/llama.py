@@ -200,8 +200,7 @@ class LlamaForCausalLM(nn.Module):
         if h.device.type == "cpu" and h.dtype == torch.bfloat16:
             return load_bf16_layer_ops()[0]
         if h.device.type == "cuda" and h.dtype in (torch.bfloat16, torch.float16):
-            from replicas.models.triton_layer_ops import load_triton_layer_ops
-            return load_triton_layer_ops(h.device)[0]
+            return cuda_layer_ops(h.device, h.dtype)
         return None
 
     @torch.inference_mode()
@@ -230,3 +229,13 @@ class LlamaForCausalLM(nn.Module):
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
+
+
+def cuda_layer_ops(device: torch.device, dtype: torch.dtype) -> LayerOps | None:
+    """The Triton layer ops, compiled and checked once per device and dtype; None where
+    Triton does not import or the kernels fail their check (logged once)."""
+    try:
+        from replicas.models.triton_layer_ops import load_triton_layer_ops
+    except ImportError:  # torch without Triton: its own operators
+        return None
+    return load_triton_layer_ops(device, dtype)[0]

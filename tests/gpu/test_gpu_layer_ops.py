@@ -20,12 +20,13 @@ def _ops():
     return TritonLayerOps()
 
 
-def _assert_within_an_ulp(got, want):
-    """Rounded where torch rounds: equal but where float32's exp, sqrt or a sum's order
-    differ in their last bit, and then by one ulp."""
+def _assert_within_two_ulps(got, want):
+    """Rounded where torch rounds: equal but where float32's exp, division or a sum's
+    order differ in their last bit, and then by an ulp or two (RMSNorm and SiLU x up
+    round twice)."""
     eps = torch.finfo(want.dtype).eps
     difference = (got.float() - want.float()).abs()
-    assert (difference <= eps * want.float().abs() + torch.finfo(want.dtype).tiny).all()
+    assert (difference <= 2 * eps * want.float().abs() + torch.finfo(want.dtype).tiny).all()
     assert (got == want).float().mean() > 0.98
 
 
@@ -44,10 +45,10 @@ def test_rms_norm_silu_and_rotary_at_8b_widths(dtype):
     norm.weight.data.normal_()
     normed, h = ops.rms_norm(x, norm.weight.data, 1e-5, residual)
     assert torch.equal(h, x + residual)
-    _assert_within_an_ulp(normed, norm(x + residual))
+    _assert_within_two_ulps(normed, norm(x + residual))
     gate_up = 4 * torch.randn(256, 2 * 14336, device="cuda", dtype=dtype)
     gate, up = gate_up.split(14336, dim=-1)
-    _assert_within_an_ulp(ops.silu_mul(gate_up), F.silu(gate) * up)
+    _assert_within_two_ulps(ops.silu_mul(gate_up), F.silu(gate) * up)
     qkv = torch.randn(256, 48 * 128, device="cuda", dtype=dtype)
     cos, sin = torch.randn(2, 256, 1, 128, device="cuda", dtype=dtype)
     q, k = ops.rotary(qkv, cos, sin, 32, 8, 128)
@@ -65,7 +66,9 @@ def test_a_bfloat16_engine_runs_the_ops_inside_its_decode_graphs(tmp_path):
     config = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", attention_backend="triton",
                           max_model_len=256, max_num_seqs=8, num_scheduler_steps=8)
     with Engine(config) as engine:
-        assert load_triton_layer_ops(torch.device("cuda"))[0] is not None
+        ops = load_triton_layer_ops(torch.device("cuda"), torch.bfloat16)[0]
+        assert ops is not None  # "cuda" and "cuda:0" share one check: none runs in a capture
+        assert load_triton_layer_ops(torch.device("cuda:0"), torch.bfloat16)[0] is ops
         outs = engine.generate(prompts, params)
         assert engine.core.runner.decode_graphs.num_replays > 0
     assert [len(o.token_ids) for o in outs] == [24] * 6
