@@ -61,6 +61,7 @@ E2E_CONFIGS = [  # name -> EngineConfig overrides, in the order they run (the la
     ("N=8 per-window release", {"num_scheduler_steps": 8, "release_per_step": False}),
 ]
 FIXED_SHAPE = (256, 128, 256)  # streams, prompt tokens, output tokens
+WORKLOADS = ("fixed", "sharegpt")  # end to end, in this order
 TOKENS_PER_WORD = 1.3  # the ShareGPT sample's lengths are in words; Llama-3 BPE is ~1.3 per word
 PARTS = ("kernel_accuracy", "graph_decode", "decode_bandwidth", "step_profile", "end_to_end")
 
@@ -227,15 +228,18 @@ def fixed_workload(num_requests: int, prompt_len: int, output_len: int, vocab_si
             for _ in range(num_requests)]
 
 
-def e2e_workloads(quick: bool, num_requests: int | None, vocab_size: int) -> dict:
+def e2e_workloads(quick: bool, num_requests: int | None, vocab_size: int,
+                  kinds: tuple[str, ...] = WORKLOADS) -> dict:
     """name -> (prompt ids, output length) pairs, in the order they run."""
     streams, prompt_len, output_len = (16, 16, 32) if quick else FIXED_SHAPE
-    return {
-        f"{streams} x {prompt_len}/{output_len}": fixed_workload(streams, prompt_len, output_len,
-                                                                 vocab_size),
-        "sharegpt-like": sharegpt_like_workload(num_requests or (32 if quick else 1000), vocab_size,
-                                                0.08 if quick else 1.0),
-    }
+    workloads = {}
+    if "fixed" in kinds:
+        workloads[f"{streams} x {prompt_len}/{output_len}"] = fixed_workload(
+            streams, prompt_len, output_len, vocab_size)
+    if "sharegpt" in kinds:
+        workloads["sharegpt-like"] = sharegpt_like_workload(
+            num_requests or (32 if quick else 1000), vocab_size, 0.08 if quick else 1.0)
+    return workloads
 
 
 def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tuple[dict, object]:
@@ -296,18 +300,19 @@ def _layer_ops_in_use(runner) -> str:
     problem = None
     if runner.device.type == "cuda":
         from replicas.models.triton_layer_ops import load_triton_layer_ops
-        problem = load_triton_layer_ops(runner.device)[1]
+        problem = load_triton_layer_ops(runner.device, runner.model.embed_tokens.weight.dtype)[1]
     return "torch operators" + (f" ({problem})" if problem else "")
 
 
-def part_end_to_end(report: Report, quick: bool, num_requests: int | None, budget_s: float) -> dict:
+def part_end_to_end(report: Report, quick: bool, num_requests: int | None, budget_s: float,
+                    kinds: tuple[str, ...] = WORKLOADS) -> dict:
     from loadtests.metrics import format_result_block
     from replicas import EngineConfig
     on_cuda = torch.cuda.is_available()
     if not (on_cuda or quick):
         raise Skipped("skipped: no CUDA (--quick runs the plumbing on CPU)")
     shape = QUICK_SHAPE if quick else LLAMA31_8B_SHAPE
-    workloads = e2e_workloads(quick, num_requests, shape["vocab_size"])
+    workloads = e2e_workloads(quick, num_requests, shape["vocab_size"], kinds)
     base = dict(device="cuda" if on_cuda else "cpu", dtype="bfloat16" if on_cuda else "float32",
                 max_model_len=256 if quick else 4096, max_num_seqs=16 if quick else 256,
                 kv_cache_gib=0.25 if quick else 24.0, max_num_batched_tokens=512 if quick else 4096)
@@ -396,9 +401,13 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=os.environ.get("OUT") or "results", help="result directory")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 32 requests")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    ap.add_argument("--num-requests", type=int, default=None, help="end to end (1000; quick: 32)")
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="end to end, ShareGPT-like requests (1000; quick: 32)")
+    ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                    help="end to end: 256 x 128/256 tokens (fixed), ShareGPT-like, or both")
     ap.add_argument("--total-budget-s", type=float, default=380.0,
-                    help="the whole run's deadline (7 minutes less start-up and shutdown)")
+                    help="the whole run's deadline; the end-to-end part gets what the others "
+                         "leave of it")
     return ap
 
 
@@ -409,7 +418,8 @@ def main(argv: list[str] | None = None) -> dict:
          f"parts {args.parts}; writing {report.json_path}")
     fns = {"kernel_accuracy": part_kernel_accuracy, "graph_decode": part_graph_decode,
            "decode_bandwidth": lambda budget_s: measure_decode_bandwidth(),
-           "end_to_end": functools.partial(part_end_to_end, report, args.quick, args.num_requests),
+           "end_to_end": functools.partial(part_end_to_end, report, args.quick, args.num_requests,
+                                           kinds=tuple(args.workloads)),
            "step_profile": functools.partial(part_step_profile, args.quick)}
     for name in args.parts:
         # NOTE: the end-to-end part takes whatever time the other parts leave over.
