@@ -9,8 +9,11 @@ import pytest
 
 def pytest_collection_modifyitems(config, items):
     # The modules that share one local Ray (and Serve on it) run first, one after
-    # another, so it starts once; then those that start Ray their own way.
-    items.sort(key=lambda item: item.get_closest_marker("shared_ray") is None)
+    # another, so it starts once; then the rest; those that start a Ray of their own in
+    # this process last (in `make test` the lane without Ray: by then the Ray lanes
+    # are ending).
+    items.sort(key=lambda item: (item.get_closest_marker("shared_ray") is None,
+                                 item.get_closest_marker("own_ray") is not None))
     try:
         import torch
         has_cuda = torch.cuda.is_available()
