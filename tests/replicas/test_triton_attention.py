@@ -1,26 +1,12 @@
 """Triton attention kernels under the interpreter (CPU) against a loop reference and
 the torch backend: GQA, block sizes 16 and 256, padded rows, block-crossing lengths."""
-import os
-
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: tests/gpu/test_gpu_attention.py runs these kernels compiled",
-                allow_module_level=True)
+from triton_interpreter import interpreted
 
-# NOTE: triton picks interpreter or compiler when a kernel is decorated, so this must
-# precede the first import of replicas.attention.triton_kernels.
-os.environ["TRITON_INTERPRET"] = "1"
+triton_kernels = interpreted("replicas.attention.triton_kernels", "tests/gpu/test_gpu_attention.py")
 
-import importlib  # noqa: E402
-import sys  # noqa: E402
-
-pytest.importorskip("triton")
-if "replicas.attention.triton_kernels" in sys.modules:  # imported earlier, compiled mode
-    importlib.reload(sys.modules["replicas.attention.triton_kernels"])
-
-from replicas.attention import triton_kernels  # noqa: E402
 from replicas.attention.base import AttentionMetadata  # noqa: E402
 from replicas.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 

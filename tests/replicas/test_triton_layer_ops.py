@@ -3,28 +3,14 @@ interpreter (CPU) against llama.py's torch expressions: float16 within an ulp;
 bfloat16 within four, since the interpreter narrows float32 to bfloat16 by
 truncation where a GPU rounds to nearest (tests/gpu/test_gpu_layer_ops.py checks
 the compiled kernels)."""
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: tests/gpu/test_gpu_layer_ops.py runs these kernels compiled",
-                allow_module_level=True)
+from triton_interpreter import interpreted
 
-# NOTE: triton picks interpreter or compiler when a kernel is decorated, so this must
-# precede the first import of replicas.models.triton_layer_ops.
-os.environ["TRITON_INTERPRET"] = "1"
+triton_layer_ops = interpreted("replicas.models.triton_layer_ops", "tests/gpu/test_gpu_layer_ops.py")
 
-import importlib  # noqa: E402
-import sys  # noqa: E402
-
-pytest.importorskip("triton")
-if "replicas.models.triton_layer_ops" in sys.modules:  # imported earlier, compiled mode
-    importlib.reload(sys.modules["replicas.models.triton_layer_ops"])
-
-from replicas.models import triton_layer_ops  # noqa: E402
 from replicas.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
 
 OPS = triton_layer_ops.TritonLayerOps()
