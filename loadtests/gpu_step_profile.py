@@ -4,8 +4,9 @@ step_profile part).
 The Llama-3.1-8B shape with random bf16 weights drawn on the device (as
 `loadtests.gpu_check` does), B streams prefilled, then decode windows timed while every
 stream decodes, for N=8 and N=1, with the captured decode graphs, then the same
-windows eager (the graphs set aside), then eager with torch's operators in place of
-the Triton layer ops (replicas/models/triton_layer_ops.py). One more window runs under torch's profiler with CPU
+windows eager (the graphs set aside), then eager and with graphs captured again with
+torch's operators in place of the Triton layer ops (replicas/models/triton_layer_ops.py).
+One more window runs under torch's profiler with CPU
 and CUDA activities, so the step splits into GPU busy time (kernels, by name) and the
 host's time around it: a step whose wall time is far above its kernels' is bound by
 the host (scheduling, sampling bookkeeping, output processing, launches).
@@ -55,6 +56,7 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
         step_ms = _timed_step_ms(engine, num_windows, sync)
         runner = core.runner
         graphs, eager_step_ms, eager_torch_ops_step_ms = runner.decode_graphs, None, None
+        graph_torch_ops_step_ms = None
         if graphs is not None:  # the same windows without the captured graphs
             runner.decode_graphs = None
             try:
@@ -67,6 +69,7 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
             finally:
                 runner.model.native_layer_ops = True
                 runner.decode_graphs = graphs
+            graph_torch_ops_step_ms = _recaptured_torch_ops_step_ms(engine, num_windows, sync)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         steps0 = core.num_steps
         with profile(activities=activities) as prof:
@@ -87,6 +90,9 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
             "eager_step_ms": eager_step_ms,
             "graph_vs_eager_step_time": step_ms / eager_step_ms if eager_step_ms else None,
             "eager_torch_ops_step_ms": eager_torch_ops_step_ms,
+            "graph_torch_ops_step_ms": graph_torch_ops_step_ms,
+            "layer_ops_vs_torch_ops_graph_step_time": (step_ms / graph_torch_ops_step_ms
+                                                       if graph_torch_ops_step_ms else None),
             "layer_ops_vs_torch_ops_eager_step_time": (eager_step_ms / eager_torch_ops_step_ms
                                                        if eager_torch_ops_step_ms else None),
             "full_batch_tok_s": batch / step_ms * 1e3,
@@ -103,6 +109,25 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
         gc.collect()
         if on_cuda:
             torch.cuda.empty_cache()
+
+
+def _recaptured_torch_ops_step_ms(engine, num_windows: int, sync) -> float:
+    """Step time of graph windows captured again with torch's operators in place of the
+    layer ops (the engine's own graphs are put back after)."""
+    from replicas.cuda_graphs import build_decode_graphs
+    core = engine.core
+    runner, mc = core.runner, core.runner.model_config
+    graphs = runner.decode_graphs
+    runner.model.native_layer_ops = False
+    try:
+        runner.decode_graphs = build_decode_graphs(
+            runner.config, runner.model, runner.kv_caches, runner.backend, mc.num_kv_heads,
+            mc.vocab_size, runner.device, core.max_model_len)
+        engine.step()
+        return _timed_step_ms(engine, num_windows, sync)
+    finally:
+        runner.model.native_layer_ops = True
+        runner.decode_graphs = graphs
 
 
 def _timed_step_ms(engine, num_windows: int, sync) -> float:
