@@ -324,14 +324,19 @@ class StepResult:
 
 class Shell:
     """One long-lived bash session, like a user's terminal: each step is sourced
-    into it, so an `export` in one step holds for the next ones."""
+    into it, so an `export` in one step holds for the next ones. A step ends at its
+    first failing command, as a user would stop there: the commands after it (a
+    worker's `ray start` after the head's failed) would only wait out the step's
+    timeout."""
 
+    # NOTE: the ERR trap fires in the step's file (BASH_SOURCE), where `return` ends the
+    # sourced step; it fires again for the `source` line itself, where it does nothing.
     _HOLDER = r"""
 trap ':' INT
 while IFS= read -r __step; do
   [ "$__step" = exit ] && break
   __fails=0
-  trap 'echo "__FAILED__ rc=$? :: $BASH_COMMAND"; __fails=$((__fails + 1))' ERR
+  trap '__status=$?; if [ "${BASH_SOURCE[0]:-}" = "$__step" ]; then echo "__FAILED__ rc=$__status :: $BASH_COMMAND"; __fails=$((__fails + 1)); return 1; fi' ERR
   source "$__step" > "$__step.out" 2>&1 < /dev/null
   __rc=$?
   trap - ERR
