@@ -25,8 +25,8 @@ from cluster_support import free_port
 pytestmark = [pytest.mark.front_door, pytest.mark.timeout(120)]
 
 
-def _launcher(*flags: str, timeout_s: float = 90) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_API_KEY"}
+def _launcher(*flags: str, timeout_s: float = 90, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_API_KEY"} | extra_env
     return subprocess.run([sys.executable, "-m", "cluster.serve_local", *flags],
                           capture_output=True, text=True, timeout=timeout_s, env=env,
                           stdin=subprocess.DEVNULL)
@@ -87,7 +87,10 @@ def test_an_app_that_cannot_deploy_says_why_and_exits(tmp_path):
     exit 1 (not the 600 s wait for /health)."""
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     result = _launcher("--model", str(tmp_path), "--port", str(free_port()), "--num-cpus", "2",
-                       "--metrics-port", str(free_port()), timeout_s=240)
+                       "--metrics-port", str(free_port()), timeout_s=240,
+                       # NOTE: Serve tries a failing constructor 3 times by default; once
+                       # gives the same line
+                       RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT="1")
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"the app did not start: Ingress: FileNotFoundError: no tokenizer.json in {tmp_path}" \
         in result.stderr, result.stderr

@@ -31,6 +31,9 @@ ENGINE_ARGS = {"max_num_seqs": 8, "num_kv_blocks": 256, "max_model_len": 256,
                "num_scheduler_steps": 4}
 APP_ARGS = {"model": MODEL, "engine_num_cpus": 1, "ingress_num_cpus": 0.5, **ENGINE_ARGS}
 _AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "STEPSTREAM_API_KEY")
+# NOTE: Serve tries a failing replica's constructor 3 times by default; once shows the
+# refusal as well (the nodes' processes inherit this process's environment).
+_RETRY_VAR = "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +42,9 @@ def cluster():
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    saved = {k: os.environ.get(k) for k in _AUTH_VARS}
+    saved = {k: os.environ.get(k) for k in (*_AUTH_VARS, _RETRY_VAR)}
     token = secrets.token_hex(32)
-    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, _RETRY_VAR: "1"})
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
     os.environ.pop("STEPSTREAM_API_KEY", None)  # no node gets the variable
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
