@@ -245,7 +245,7 @@ def e2e_workloads(quick: bool, num_requests: int | None, vocab_size: int,
 def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tuple[dict, object]:
     """One engine, all requests at once; (JSON result, BenchmarkSummary)."""
     from loadtests.engine_runner import drain, greedy, stats_dict, stream_sessions
-    from loadtests.gpu_step_profile import StepMix
+    from loadtests.gpu_step_profile import StepMix, layer_ops_in_use
     from loadtests.metrics import summarize
     from replicas.async_engine import AsyncEngine
     start = time.monotonic()
@@ -272,7 +272,7 @@ def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tupl
         graphs = runner.decode_graphs
         result = {
             "startup_s": startup_s, "attention_backend": runner.backend.name,
-            "layer_ops": _layer_ops_in_use(runner),
+            "layer_ops": layer_ops_in_use(runner),
             "decode_graphs": graphs.buckets if graphs is not None else None,
             "num_graph_replays": (graphs.num_replays - replays0) if graphs is not None else 0,
             "num_requests_cut_off": num_cut,
@@ -289,19 +289,6 @@ def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tupl
     summary = summarize(timelines, duration)
     result["summary"] = summary.to_dict()
     return result, summary
-
-
-def _layer_ops_in_use(runner) -> str:
-    """Which kernels run RMSNorm, rotary and SiLU x up in this engine's model."""
-    ops = runner.model.layer_ops(torch.empty(0, dtype=runner.model.embed_tokens.weight.dtype,
-                                             device=runner.device))
-    if ops is not None:
-        return type(ops).__name__
-    problem = None
-    if runner.device.type == "cuda":
-        from replicas.models.triton_layer_ops import load_triton_layer_ops
-        problem = load_triton_layer_ops(runner.device, runner.model.embed_tokens.weight.dtype)[1]
-    return "torch operators" + (f" ({problem})" if problem else "")
 
 
 def part_end_to_end(report: Report, quick: bool, num_requests: int | None, budget_s: float,

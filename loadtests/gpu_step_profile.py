@@ -85,8 +85,7 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
         host = sorted(((e.key, e.self_cpu_time_total) for e in events), key=lambda kv: -kv[1])
         return {
             "num_steps": num_steps, "batch": batch, "step_ms": step_ms,
-            "layer_ops": type(runner.model.layer_ops(torch.empty(
-                0, dtype=runner.model.embed_tokens.weight.dtype, device=runner.device))).__name__,
+            "layer_ops": layer_ops_in_use(runner),
             "eager_step_ms": eager_step_ms,
             "graph_vs_eager_step_time": step_ms / eager_step_ms if eager_step_ms else None,
             "eager_torch_ops_step_ms": eager_torch_ops_step_ms,
@@ -109,6 +108,19 @@ def profile_windows(model_dir: str, vocab_size: int, on_cuda: bool, batch: int, 
         gc.collect()
         if on_cuda:
             torch.cuda.empty_cache()
+
+
+def layer_ops_in_use(runner) -> str:
+    """Which kernels run RMSNorm, rotary and SiLU x up in this engine's model."""
+    ops = runner.model.layer_ops(torch.empty(0, dtype=runner.model.embed_tokens.weight.dtype,
+                                             device=runner.device))
+    if ops is not None:
+        return type(ops).__name__
+    problem = None
+    if runner.device.type == "cuda":
+        from replicas.models.triton_layer_ops import load_triton_layer_ops
+        problem = load_triton_layer_ops(runner.device, runner.model.embed_tokens.weight.dtype)[1]
+    return "torch operators" + (f" ({problem})" if problem else "")
 
 
 def _recaptured_torch_ops_step_ms(engine, num_windows: int, sync) -> float:
