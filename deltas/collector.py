@@ -214,3 +214,80 @@ class DeltaCollector(MailboxSink):
         if self._is_done:
             raise StopAsyncIteration
         return await self.get()
+
+
+class LoopCollector:
+    """`DeltaCollector`'s interface for a request whose puts all come from its
+    reader's own event loop: no lock, one pending delta, the waiting reader woken
+    directly. The ingress's channel hub, its timers and its watchers run on the
+    loop that reads (cluster/transport/channels.py).
+
+    Why: with per-step release the ingress puts and takes one delta per stream per
+    step; the mailbox's lock and dict were a fifth of its own work per event
+    (`python -m loadtests.bench ingress-chain`)."""
+
+    __slots__ = ("request_id", "_pending", "_waiter", "_is_closed", "_is_done",
+                 "_num_output_tokens")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._pending: TokenDelta | None = None
+        self._waiter: asyncio.Future | None = None
+        self._is_closed = False  # a finished delta was put: later puts are dropped
+        self._is_done = False  # the reader took the finished delta
+        self._num_output_tokens = 0
+
+    def put(self, delta: TokenDelta, notify: bool = True, wakes: WakeBatch | None = None) -> None:
+        """`wakes` is accepted for the sink interface; a loop-only wake needs no batch."""
+        if self._is_closed:
+            return
+        self._is_closed = delta.finish_reason is not None
+        self._num_output_tokens = delta.num_output_tokens
+        if self._pending is None:
+            self._pending = delta
+        else:
+            self._pending.merge(delta)
+        if notify:
+            self._wake()
+
+    def notify(self) -> None:
+        if self._pending is not None:
+            self._wake()
+
+    def put_error(self, message: str) -> None:
+        self.put(TokenDelta(self.request_id, [], finish_reason=FinishReason.ERROR, error=message,
+                            num_output_tokens=self._num_output_tokens))
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():  # the reader may have been cancelled
+            waiter.set_result(None)
+
+    @property
+    def finished(self) -> bool:
+        return self._is_done
+
+    async def get(self) -> TokenDelta:
+        """Wait until something is pending, then take all of it as one delta."""
+        while True:
+            delta = self._pending
+            if delta is not None:
+                self._pending = None
+                self._is_done = delta.finish_reason is not None
+                return delta
+            if self._is_done:
+                raise RuntimeError(f"request {self.request_id}: the stream already finished")
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+
+    def __aiter__(self) -> LoopCollector:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self._is_done:
+            raise StopAsyncIteration
+        return await self.get()

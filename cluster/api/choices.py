@@ -89,14 +89,18 @@ def _own_serve_request_id(index: int) -> None:
     suffix_internal_request_id(str(index))
 
 
-async def merged_text_deltas(relays: list[Relay]) -> AsyncIterator[tuple[int, TextDelta]]:
+def merged_text_deltas(relays: list[Relay]) -> AsyncIterator[tuple[int, TextDelta]]:
     """(choice index, text delta) until every choice has its finish (the ERROR
-    finish included). Close it (`contextlib.aclosing`) when done early."""
-    if len(relays) == 1:  # NOTE: no task per delta for the common case
-        async with aclosing(relays[0].text_deltas()) as deltas:
-            async for td in deltas:
-                yield 0, td
-        return
+    finish included). Close it (`contextlib.aclosing`) when done early.
+
+    NOTE: one choice (the common case) reads its relay's own generator: no task
+    per delta, and no generator layer between the relay and the SSE writer."""
+    if len(relays) == 1:
+        return relays[0].text_deltas(index=0)
+    return _interleaved_text_deltas(relays)
+
+
+async def _interleaved_text_deltas(relays: list[Relay]) -> AsyncIterator[tuple[int, TextDelta]]:
     streams = [relay.text_deltas() for relay in relays]
     pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
     try:

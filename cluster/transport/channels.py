@@ -1,6 +1,6 @@
 """The ingress side of the per-step channel: one stream per engine replica.
 
-Each request registers a `DeltaCollector` under its id before it is admitted;
+Each request registers a `LoopCollector` (deltas/collector.py) under its id before it is admitted;
 once a replica admitted it, the request is attached to that replica's channel,
 which this hub opens on first use (pinned to the replica by
 `cluster.transport.routing.PinnedRouter`). Every step message is demultiplexed into the
@@ -22,7 +22,7 @@ from typing import Any
 from cluster.errors import is_replica_lost, replica_cause_message
 from cluster.transport.routing import PIN_KWARG
 from cluster.transport.wire import decode_step
-from deltas.collector import DeltaCollector
+from deltas.collector import LoopCollector
 
 logger = logging.getLogger("ray.serve")
 
@@ -35,7 +35,7 @@ class ChannelHub:
         self._handle = channel_handle
         self._owner_handle = owner_handle
         self._open_timeout_s = open_timeout_s
-        self._collectors: dict[str, DeltaCollector] = {}
+        self._collectors: dict[str, LoopCollector] = {}
         self._replica_of: dict[str, str] = {}  # request id -> replica id
         self._attached: dict[str, set[str]] = {}  # replica id -> unfinished request ids
         self._channels: dict[str, asyncio.Task] = {}
@@ -43,8 +43,8 @@ class ChannelHub:
         self._channel_lost: set[str] = set()
         self.num_channels_opened = 0
 
-    def register(self, request_id: str) -> DeltaCollector:
-        collector = self._collectors[request_id] = DeltaCollector(request_id)
+    def register(self, request_id: str) -> LoopCollector:
+        collector = self._collectors[request_id] = LoopCollector(request_id)
         return collector
 
     def attach(self, request_id: str, replica_id: str) -> None:

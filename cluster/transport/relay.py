@@ -46,7 +46,7 @@ from cluster.errors import (ApiError, ReplicaUnavailable, is_replica_lost, repli
                             replica_error)
 from cluster.transport.replica_avoidance import avoid_replica
 from cluster.transport.wire import EngineRequest, encode_request
-from deltas.collector import DeltaCollector
+from deltas.collector import LoopCollector
 from deltas.types import FinishReason, TextDelta, TokenDelta
 
 logger = logging.getLogger("ray.serve")
@@ -70,7 +70,7 @@ QUEUE_TIMEOUT_RETRY_AFTER_S = 5.0
 
 
 class Relay:
-    def __init__(self, request_id: str, hub: ChannelHub, call, collector: DeltaCollector,
+    def __init__(self, request_id: str, hub: ChannelHub, call, collector: LoopCollector,
                  text_stream, timeout_s: float | None = None,
                  deadline: float | None = None) -> None:
         self.request_id = request_id
@@ -190,9 +190,10 @@ class Relay:
         self._failure = self._failure_cause = None
         self._hub.forget(self.request_id)
 
-    async def text_deltas(self) -> AsyncIterator[TextDelta]:
+    async def text_deltas(self, index: int | None = None) -> AsyncIterator[TextDelta]:
         """Text deltas until one carries a finish reason (STOP, LENGTH, ABORT or
-        ERROR with `.error`). Close it (`contextlib.aclosing`) when done early."""
+        ERROR with `.error`). Close it (`contextlib.aclosing`) when done early.
+        `index` given: (index, text delta) pairs, what `merged_text_deltas` yields."""
         delta = self._first
         assert delta is not None, "Relay.open first"
         timer = None
@@ -212,7 +213,7 @@ class Relay:
                     # NOTE: an unreachable replica may still run it: abort it there
                     engine_done = False
                 text_delta = self._text_stream.push(delta)
-                yield text_delta
+                yield text_delta if index is None else (index, text_delta)
                 if text_delta.finish_reason is not None:
                     return
                 delta = await self._collector.get()

@@ -51,13 +51,13 @@ class FakeRelay:
         self._pause_s = pause_s
         self.aborted = False
 
-    async def text_deltas(self):
+    async def text_deltas(self, index=None):
         done = False
         try:
             for td in self._deltas:
                 await asyncio.sleep(self._pause_s)
                 done = td.finish_reason is not None
-                yield td
+                yield td if index is None else (index, td)
         finally:
             if not done:
                 self.aborted = True
