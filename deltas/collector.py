@@ -6,13 +6,17 @@ reader has not taken yet. While the reader is behind, a request's deltas MERGE
 (never dropped, never reordered), so a slow reader gets fewer, larger deltas
 instead of a backlog; a waiting reader is woken once per wait, not once per put.
 
-- `DeltaCollector`: one request, one reader (an SSE writer, an `AsyncEngine`
-  stream). Its `get` takes everything pending at once.
+- `DeltaCollector`: one request, one reader (an `AsyncEngine` stream). Its `get`
+  takes everything pending at once.
 - `cluster.transport.outbox.StepOutbox`: every request of one ingress, one reader (the
   per-step channel), which takes all requests' deltas at once.
 
 Each request writes through its own `MailboxSink`, which drops puts after the
 finished delta and ends the stream with `put_error`.
+
+`LoopCollector` keeps the same rules (merge while behind, drop after the finish,
+one wake per wait) for one request whose puts come from its reader's own loop (the
+ingress's channel hub), without the lock.
 
 NOTE: `put` takes ownership of the delta: the mailbox may merge later deltas
 into it. The engine must not touch a delta after putting it.

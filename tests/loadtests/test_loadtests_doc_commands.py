@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import (bench, bench_engine, fake_server, gpu_check, http_floor, serving_matrix,
-                       serving_run, soak)
+from loadtests import (bench, bench_engine, fake_server, gpu_check, http_floor,
+                       ingress_chain_cost, serving_matrix, serving_run, soak)
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "cluster/README.md", "RELIABILITY.md", "loadtests/README.md",
@@ -19,6 +19,8 @@ def _parse_bench(argv: list[str]):
         return bench.make_sample_parser().parse_args(argv[1:])
     if argv[:1] == ["http-floor"]:
         return http_floor.make_parser().parse_args(argv[1:])
+    if argv[:1] == ["ingress-chain"]:
+        return ingress_chain_cost.make_parser().parse_args(argv[1:])
     if argv[:1] and argv[0] in bench.MATRIX_MODES:
         return serving_matrix.make_preset_parser(argv[0]).parse_args(argv[1:])
     return serving_run.make_parser().parse_args(argv)
