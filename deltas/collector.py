@@ -227,8 +227,8 @@ class LoopCollector:
     loop that reads (cluster/transport/channels.py).
 
     Why: with per-step release the ingress puts and takes one delta per stream per
-    step; the mailbox's lock and dict were a fifth of its own work per event
-    (`python -m loadtests.bench ingress-chain`)."""
+    step; dropping the mailbox's lock and dict took about a sixth off its own work
+    per event (`python -m loadtests.bench ingress-chain`: 10.8 -> 9.0 us)."""
 
     __slots__ = ("request_id", "_pending", "_waiter", "_is_closed", "_is_done",
                  "_num_output_tokens")

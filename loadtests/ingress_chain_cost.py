@@ -10,7 +10,10 @@ replica (admission calls and one per-step channel) and `send` only counts bytes.
 Every step carries one token for every stream, as per-step release does.
 
 The figure is CPU microseconds per event (process time over the steps, divided by
-streams x steps), the median of the rounds. What it leaves out, and what the
+streams x steps), the median of the rounds. It includes building each step's
+message (~0.3 us an event) and waiting for every stream's write, so no delta
+merges: the per-step path at its steadiest. Ray's metrics are off (the ingress
+samples them) and the channel is a plain queue, not Serve's response generator. What it leaves out, and what the
 ingress pays on top (`bench --server-pid` measures the whole): Serve's and
 uvicorn's ASGI layers and the socket write under `send`, the per-request work
 (parsing, tokenizing, admission), Ray's metrics, and the other processes on the

@@ -37,7 +37,7 @@ from cluster.api.choice_runs import ChoiceRuns
 from cluster.errors import replica_error
 from cluster.api.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter
 from cluster.api.pending_gate import PendingGate
-from cluster.api.response_writer import SSEResponse, json_answer, sse_events
+from cluster.api.response_writer import SSEResponse, abort_all, json_answer, sse_events
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 from replicas.request_validation import RequestLimits
 from deltas.text_stream import TextStream
@@ -409,7 +409,8 @@ class Ingress:
             events = sse_events(relays, formatter, chat, token_text, self._metrics, started_at,
                                 len(prompt_ids))
             return SSEResponse(events, media_type="text/event-stream",
-                               headers={**SSE_HEADERS, **timing})
+                               headers={**SSE_HEADERS, **timing},
+                               on_end=lambda: abort_all(relays))
         return JSONResponse(await json_answer(relays, runs.open_again, formatter, chat,
                                               token_text, len(prompt_ids),
                                               metrics=self._metrics),

@@ -2,7 +2,9 @@
 
 Every stream ends honestly: `[DONE]` after a complete answer, or an error event
 in the OpenAI shape (and no `[DONE]`) when anything fails after the headers went
-out. A client disconnect cancels the generator; `Relay` then stops the replica.
+out. A client disconnect cancels the generator; `Relay` then stops the replica. A
+response that ends before its generator started (cancelled that early, or its
+headers' send failed) aborts the relays in `SSEResponse`'s `on_end`.
 
 An engine replica lost while generating ends a stream with a 503-shaped error
 event (a client's retry lands on a replica still there). A non-streamed answer
@@ -119,7 +121,24 @@ class StreamEnd(bytes):
 class SSEResponse(StreamingResponse):
     """Starlette's streaming response, except that a `StreamEnd` item ends the body
     in the same `send` (one socket write where Starlette makes two: the chunk,
-    then an empty end)."""
+    then an empty end), and `on_end` runs when the response ends, however it ends.
+
+    NOTE: a body generator that never started (the request cancelled before its
+    first item, or the headers' send failed) runs none of its clean-up; `on_end`
+    lets go of what the body would have (the relays: `Relay.abort` does nothing
+    for a relay its body closed)."""
+
+    def __init__(self, content, *args, on_end: Callable[[], None] | None = None,
+                 **kwargs) -> None:
+        super().__init__(content, *args, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._on_end is not None:
+                self._on_end()
 
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
@@ -132,6 +151,12 @@ class SSEResponse(StreamingResponse):
                 if is_end:
                     return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def abort_all(relays: list[Relay]) -> None:
+    """Let go of every relay not closed yet (a response that ended before its body did)."""
+    for relay in relays:
+        relay.abort()
 
 
 async def sse_events(relays: list[Relay], formatter, chat: bool, token_text: TokenText | None,

@@ -91,6 +91,7 @@ class Relay:
         self.num_replica_losses = 0
         self.replica_lost = False
         self._replica_id: str | None = None
+        self._closed = False  # its admission call and collector are let go
 
     @classmethod
     async def open(cls, engine_stream, hub: ChannelHub, request: EngineRequest, text_stream,
@@ -224,10 +225,15 @@ class Relay:
 
     def abort(self) -> None:
         """Stop an open request whose deltas will not be read (another choice of
-        its request was refused)."""
+        its request was refused, or its response ended before reading them). Once
+        the relay is closed (its deltas read to the end, or closed early) it does
+        nothing."""
         self._close(engine_done=False)
 
     def _close(self, engine_done: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._watcher is not None:
             self._watcher.cancel()
         if not engine_done and self._call is not None:  # stop string, disconnect, timeout

@@ -152,6 +152,24 @@ def test_one_step_message_reaches_each_request_and_merges_when_behind(tokenizer)
     asyncio.run(run())
 
 
+def test_abort_lets_go_of_an_unread_relay_and_does_nothing_to_a_closed_one(tokenizer):
+    """What a response that ended before its body started does (SSEResponse's
+    on_end): the relay it never read is stopped; one its body closed is left alone."""
+    async def run():
+        engine = ScriptedEngine()
+        hub = ChannelHub(engine, "ing")
+        unread = await _open_with_first(engine, hub, tokenizer, "a")
+        done = await _open_with_first(engine, hub, tokenizer, "b")
+        engine.step("rep-1", _delta("b", [5], 1, finish=True))
+        assert [td.finish_reason async for td in done.text_deltas()][-1] == FinishReason.LENGTH
+        for relay in (unread, done, unread):  # twice: the second does nothing
+            relay.abort()
+        assert engine.admissions["a"].cancelled and not engine.admissions["b"].cancelled
+        assert hub._collectors == {}
+
+    asyncio.run(run())
+
+
 def test_stop_string_cancels_the_admission_call(tokenizer):
     async def run():
         engine = ScriptedEngine()
