@@ -77,20 +77,23 @@ def _relays(pauses=(0.0, 0.001, 0.002)) -> list[FakeRelay]:
             for i, pause in enumerate(pauses)]
 
 
-def test_merged_deltas_carry_their_index_and_end_after_every_finish():
-    relays = _relays()
+@pytest.mark.parametrize("num_choices", [1, 3])
+def test_merged_deltas_carry_their_index_and_end_after_every_finish(num_choices):
+    relays = _relays()[:num_choices]
 
     async def run():
         return [(i, td.text) async for i, td in choices.merged_text_deltas(relays)]
 
     got = asyncio.run(run())
-    for i in range(3):
+    for i in range(num_choices):
         assert [t for j, t in got if j == i] == [f"c{i}w{k} " for k in range(3 + i)]
     assert not any(r.aborted for r in relays)
 
 
-def test_closing_the_merge_early_aborts_every_unfinished_choice():
-    relays = _relays()
+@pytest.mark.parametrize("num_choices", [1, 3])
+def test_closing_the_merge_early_aborts_every_unfinished_choice(num_choices):
+    """One choice reads its relay's own generator: closing the merge closes it."""
+    relays = _relays()[:num_choices]
 
     async def run():
         async with choices.aclosing(choices.merged_text_deltas(relays)) as deltas:
@@ -99,7 +102,7 @@ def test_closing_the_merge_early_aborts_every_unfinished_choice():
         # NOTE: here, not after asyncio.run, whose own clean-up closes every generator
         return [r.aborted for r in relays]
 
-    assert asyncio.run(run()) == [True, True, True]
+    assert asyncio.run(run()) == [True] * num_choices
 
 
 def test_a_refused_choice_aborts_the_admitted_ones(monkeypatch):

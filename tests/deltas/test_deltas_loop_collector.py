@@ -77,3 +77,15 @@ async def test_a_cancelled_reader_leaves_the_collector_usable():
         await reader
     collector.put(delta([9], 1, FinishReason.STOP))
     assert (await collector.get()).token_ids == [9]
+
+
+@run_async
+async def test_notify_with_nothing_pending_leaves_the_reader_waiting():
+    collector = LoopCollector("r")
+    reader = asyncio.ensure_future(collector.get())
+    await asyncio.sleep(0)
+    collector.notify()
+    await asyncio.sleep(0.01)
+    assert not reader.done()
+    collector.put(delta([3], 1))
+    assert (await asyncio.wait_for(reader, 5)).token_ids == [3]
