@@ -28,7 +28,9 @@ class StepOutbox(DeltaMailbox):
     """Created on the replica's event loop; sinks may put from any thread.
 
     `done[request_id]` resolves once the request's finished delta was taken for
-    sending: its admission call then ends (Serve counts it ongoing until then).
+    sending (True), or once the request was discarded (False: it never reached the
+    engine, or its ingress left): its admission call then ends (Serve counts it
+    ongoing until then).
     """
 
     def __init__(self, owner: str) -> None:
@@ -52,7 +54,7 @@ class StepOutbox(DeltaMailbox):
         self.drop(request_id)
         done = self.done.pop(request_id, None)
         if done is not None and not done.done():
-            done.set_result(None)
+            done.set_result(False)
 
     @property
     def num_live_requests(self) -> int:
@@ -66,7 +68,7 @@ class StepOutbox(DeltaMailbox):
             if delta.finish_reason is not None:
                 done = self.done.pop(delta.request_id, None)
                 if done is not None and not done.done():
-                    done.set_result(None)
+                    done.set_result(True)
         return deltas
 
 

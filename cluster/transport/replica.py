@@ -114,21 +114,20 @@ class EngineReplica:
         done = self._admit(req, outbox, grammar)
         self._counts.num_requests_admitted += 1
         self._num_admitted += 1
-        finished = False
+        finished = None  # True: its finished delta went out; False: orphaned
         try:
             yield self._replica_id
-            await done
-            finished = True
+            finished = await done
         finally:
             self._num_admitted -= 1
             self._engine.release(req.request_id)
-            if not finished:
+            if finished is None:  # the call was cancelled (its caller left) or failed
                 self._engine.abort(req.request_id)
                 outbox.discard(req.request_id)
-            if finished:
-                self._counts.num_requests_finished += 1
-            else:
                 self._counts.num_requests_cancelled += 1
+            elif finished:
+                self._counts.num_requests_finished += 1
+            # NOTE: False: `_orphan` aborted it and counted it orphaned, not finished
 
     def _refuse_past_the_admission_bound(self) -> None:
         if self._max_admitted is not None and self._num_admitted >= self._max_admitted:

@@ -232,7 +232,10 @@ def test_requests_of_an_ingress_without_a_channel_are_aborted():
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(call.__anext__(), 2.0)
         assert engine.aborted == ["a"]
-        assert replica.stats()["num_requests_orphaned"] == 1
+        stats = replica.stats()
+        # orphaned, and only that: neither finished nor cancelled as well
+        assert stats["num_requests_orphaned"] == 1
+        assert stats["num_requests_finished"] == stats["num_requests_cancelled"] == 0
 
     asyncio.run(run())
 
@@ -248,6 +251,9 @@ def test_requests_of_a_dead_ingress_are_aborted_and_its_channel_ends():
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(channel.__anext__(), 2.0)
         assert engine.aborted == ["a"] and replica.stats()["num_outboxes"] == 0
+        stats = replica.stats()
+        assert stats["num_requests_orphaned"] == 1
+        assert stats["num_requests_finished"] == stats["num_requests_cancelled"] == 0
 
     asyncio.run(run())
 
