@@ -241,8 +241,7 @@ class LoopCollector:
         self._is_done = False  # the reader took the finished delta
         self._num_output_tokens = 0
 
-    def put(self, delta: TokenDelta, notify: bool = True, wakes: WakeBatch | None = None) -> None:
-        """`wakes` is accepted for the sink interface; a loop-only wake needs no batch."""
+    def put(self, delta: TokenDelta, notify: bool = True) -> None:
         if self._is_closed:
             return
         self._is_closed = delta.finish_reason is not None

@@ -115,15 +115,13 @@ def word_piece_ids(tokenizer, limit: int = 3000) -> list[int]:
     return ids
 
 
-async def _one_round(tokenizer, streams: int, steps: int) -> float:
+async def _one_round(tokenizer, pieces: list[int], streams: int, steps: int) -> float:
     """CPU microseconds per event over steps 2..`steps` (the first opens the streams)."""
     from cluster.api.openai_events import CompletionFormatter
     from cluster.api.response_writer import SSEResponse, sse_events
     from cluster.transport.channels import ChannelHub
     from cluster.transport.relay import Relay
     from deltas.text_stream import TextStream
-
-    pieces = word_piece_ids(tokenizer)
 
     def _token_id(stream: int, step: int) -> int:
         return pieces[(stream * 7 + step * 13) % len(pieces)]
@@ -179,7 +177,8 @@ def measure(streams: int, steps: int, rounds: int) -> dict:
     if streams < 1 or steps < 2 or rounds < 1:
         raise ValueError("need --streams >= 1, --steps >= 2 and --rounds >= 1")
     tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir("tiny"))
-    per_round = [uvloop.run(_one_round(tokenizer, streams, steps)) for _ in range(rounds)]
+    pieces = word_piece_ids(tokenizer)
+    per_round = [uvloop.run(_one_round(tokenizer, pieces, streams, steps)) for _ in range(rounds)]
     return {"us_per_event": statistics.median(per_round), "rounds_us": per_round,
             "events": streams * (steps - 1)}
 
