@@ -19,7 +19,8 @@ their own (and a docs shell's `ray stop` sees only its own PID namespace).
 
 Each lane sees every lane's pid in the file STEPSTREAM_LANE_PIDS_FILE names: a
 test that slows the machine on purpose (a busy loop) waits for the other lanes to
-end instead, as they keep the machine busier than the loop would.
+end instead, as they keep the machine busier than the loop would. Such a test
+(marker `slows_the_machine`) runs last in its lane, when the others are ending.
 
 Each lane's output is printed when it is done, then one closing line with the
 counts of all. The exit status is non-zero if any lane failed or ran no test.

@@ -33,7 +33,8 @@ import yaml
 from loadtests.local_server import LocalServer
 from reliability_support import busy_core, stream_request
 
-pytestmark = [pytest.mark.ray, pytest.mark.front_door, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.front_door, pytest.mark.slows_the_machine,
+              pytest.mark.timeout(600)]
 
 MODEL = "tiny"
 MAX_NUM_SEQS = 4  # two running streams leave every replica slots free
