@@ -90,7 +90,10 @@ class OutputProcessor:
                 token = token_ids[i]
                 reason = None
                 if token in req.stop_token_ids and n > req.params.min_tokens:
-                    reason, stop_reason = FinishReason.STOP, token
+                    # NOTE: the OpenAI API's (and vLLM's) stop_reason: the id of one
+                    # of the request's own stop_token_ids, None for the model's EOS
+                    reason = FinishReason.STOP
+                    stop_reason = token if token in req.params.stop_token_ids else None
                 elif n >= req.max_output_tokens or req.num_prompt_tokens + n >= max_model_len:
                     reason, stop_reason = FinishReason.LENGTH, None
                 delta = TokenDelta(req.request_id, [token], num_prompt_tokens=req.num_prompt_tokens,

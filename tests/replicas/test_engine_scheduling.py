@@ -1,5 +1,6 @@
 """Scheduling invariants: preemption, chunked prefill, multi-step, async output,
 release mode and output kinds never change greedy outputs; blocks always return."""
+import dataclasses
 import random
 
 import pytest
@@ -125,17 +126,42 @@ def test_stops_inside_a_window_emit_nothing_past_the_stop(reference):
     assert outs == [r[:5] for r in reference]
 
 
+def test_stop_reason_names_a_requested_stop_token_and_not_the_models_eos(reference):
+    """The OpenAI API's stop_reason: the id of one of the request's stop_token_ids;
+    None where the model's own EOS ended the answer (a client tells the two apart)."""
+    prompt, ref = _prompts()[0], reference[0]
+    stop_token = next(t for t in ref[3:] if ref.index(t) >= 3)  # first seen after 3 tokens
+    with Engine(EngineConfig(model="tiny")) as engine:
+        # NOTE: tiny's random weights never say EOS: this engine takes the token for it
+        engine.core.limits = dataclasses.replace(engine.core.limits, eos_token_ids=(stop_token,))
+        by_eos, by_stop_id = RecordingSink(), RecordingSink()
+        requests = {by_eos: SamplingParams(temperature=0.0, max_tokens=40),
+                    by_stop_id: SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                               stop_token_ids=[stop_token])}
+        for i, (sink, params) in enumerate(requests.items()):
+            engine.core.add_request(engine.core.make_request(f"r{i}", prompt, params, sink))
+        while engine.has_unfinished():
+            engine.step()
+    cut = ref.index(stop_token) + 1
+    for sink, stop_reason in ((by_eos, None), (by_stop_id, stop_token)):
+        assert sink.token_ids == ref[:cut] and sink.finish_reason == FinishReason.STOP
+        assert sink.stop_reason == stop_reason
+
+
 class RecordingSink:
     """Records what a consumer would see: puts, and when it would be woken."""
 
     def __init__(self):
         self.token_ids, self.wakes, self.finish_reason = [], [], None
+        self.stop_reason = None
         self._unreleased = 0
 
     def put(self, delta, notify=True, wakes=None):
         self.token_ids += delta.token_ids
         self._unreleased += len(delta.token_ids)
         self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.finish_reason is not None:
+            self.stop_reason = delta.stop_reason
         if notify:
             self.notify()
 
