@@ -211,6 +211,13 @@ def _max_token_chars(tokenizer) -> int | None:
     return max(1, max(len(b) for b in table.piece_bytes))
 
 
+def developer_role(tokenizer) -> str:
+    """The role a `developer` message renders as: its own where the chat template
+    names it, else `system` (most templates know no developer role, and would
+    add their default system prompt before it)."""
+    return "developer" if "developer" in tokenizer.chat_templates.get("default", "") else "system"
+
+
 def _ingress_identity() -> tuple[str, object]:
     """A channel owner id unique to this ingress replica's life, and its actor handle
     (the engine replicas ping it to notice that it died)."""
@@ -303,6 +310,7 @@ class Ingress:
         self._model = model
         self._tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(model))
         self._max_token_chars = _max_token_chars(self._tokenizer)
+        self._developer_role = developer_role(self._tokenizer)
         self._max_body_bytes = max_body_bytes
         self._request_timeout_s = request_timeout_s
         self._queue_timeout_s = queue_timeout_s
@@ -436,8 +444,9 @@ class Ingress:
     def _prompt_ids(self, req, chat: bool) -> list[int]:
         if chat:
             try:
-                text = self._tokenizer.apply_chat_template(req.template_messages(),
-                                                           add_generation_prompt=req.add_generation_prompt)
+                messages = req.template_messages(self._developer_role)
+                text = self._tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=req.add_generation_prompt)
             except Exception as e:
                 raise bad_request(f"Could not apply the chat template: {e}", "messages") from None
             return self._tokenizer.encode(text, add_special_tokens=False)

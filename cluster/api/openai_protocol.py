@@ -318,8 +318,12 @@ class ChatCompletionRequest(_SamplingFields):
             return "max_completion_tokens"
         return super()._field_sent_for(engine_field)
 
-    def template_messages(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self, developer_role: str = "system") -> list[dict]:
+        """The messages for the chat template. A `developer` message takes the
+        system prompt's place, as in the OpenAI API (`developer_role`: the role a
+        template that knows none named "developer" gets it as)."""
+        return [{"role": developer_role if m.role == "developer" else m.role,
+                 "content": m.text()} for m in self.messages]
 
 
 def validation_error_message(err: ValidationError) -> tuple[str, str | None]:

@@ -254,6 +254,30 @@ def test_context_check_says_the_limits():
         assert info.value.param == param and "8192" in info.value.message
 
 
+def test_a_developer_message_takes_the_system_prompts_place():
+    from types import SimpleNamespace
+
+    from cluster.api.ingress import developer_role
+    from deltas.tokenization.tokenizer import Tokenizer
+    from tests import trained_model
+
+    chat = [{"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "content": "What is the capital of France?"}]
+    req = _parse(ChatCompletionRequest, {"model": "m", "messages": chat})
+    assert req.template_messages()[0] == {"role": "system", "content": "Answer briefly."}
+    assert req.template_messages("developer")[0]["role"] == "developer"
+    # SmolLM2's template knows no developer role: the message renders as the system
+    # prompt, in place of the template's default one (not after it)
+    tokenizer = Tokenizer.from_dir(trained_model.model_dir())
+    role = developer_role(tokenizer)
+    as_system = [{"role": "system", "content": "Answer briefly."}, chat[1]]
+    assert role == "system"
+    assert (tokenizer.apply_chat_template(req.template_messages(role))
+            == tokenizer.apply_chat_template(as_system))
+    knows_it = SimpleNamespace(chat_templates={"default": "{% if m.role == 'developer' %}"})
+    assert developer_role(knows_it) == "developer"
+
+
 def test_chat_length_bound_counts_every_message_before_the_template():
     from types import SimpleNamespace
 
