@@ -343,11 +343,16 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        card = {"id": self._served_model_name, "object": "model", "created": self._created,
-                "owned_by": "stepstream", "root": self._model}
-        if self._model_info is not None:
-            card["max_model_len"] = self._model_info["max_model_len"]
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [await self._model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> JSONResponse:
+        """One model's card (the OpenAI client's `models.retrieve`)."""
+        self._authorize(request)
+        if model_id != self._served_model_name:
+            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves "
+                           f"'{self._served_model_name}'", param="model", code="model_not_found")
+        return JSONResponse(await self._model_card())
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -453,6 +458,15 @@ class Ingress:
         if isinstance(req.prompt, str):
             return self._tokenizer.encode(req.prompt, add_special_tokens=True)
         return list(req.prompt)
+
+    async def _model_card(self) -> dict:
+        card = {"id": self._served_model_name, "object": "model", "created": self._created,
+                "owned_by": "stepstream", "root": self._model}
+        try:
+            card["max_model_len"] = (await self._info())["max_model_len"]
+        except ApiError:
+            pass  # no engine replica answers now: the card without its context length
+        return card
 
     async def _info(self) -> dict:
         if self._model_info is None:

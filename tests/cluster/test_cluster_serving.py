@@ -84,10 +84,18 @@ def engines_idle() -> bool:
         and s["num_free_blocks"] == s["num_total_blocks"] for s in stats.values())
 
 
-def test_health_and_models(server):
+def test_health_and_models(server, client):
     assert httpx.get(server + "/health").json() == {"status": "ok"}  # no key needed
+    # NOTE: the first request of this module: the card has the context length before
+    # any generation asked the engine for it
     models = httpx.get(server + "/v1/models", headers=AUTH).json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    assert models["data"][0]["max_model_len"] > 0
+    one = httpx.get(server + f"/v1/models/{MODEL}", headers=AUTH)
+    assert one.status_code == 200 and one.json() == models["data"][0]
+    assert client.models.retrieve(MODEL).id == MODEL
+    other = httpx.get(server + "/v1/models/gpt-4o", headers=AUTH)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
 def test_completion_stream_and_non_stream_equal_offline(client, offline, tokenizer):
