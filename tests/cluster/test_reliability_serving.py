@@ -218,6 +218,34 @@ def test_body_over_the_limit_is_413_declared_or_streamed(server):
         assert r.status_code == 413 and is_openai_error(r.json()), r.text[:200]
 
 
+# NOTE: seconds of decoding here: it must not end before the close reaches the engine
+MAX_ANSWER_TOKENS = MAX_MODEL_LEN - 32
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_aborted(server):
+    """Through Serve's Python proxy: nothing is written until the answer is complete,
+    so only the client's close tells the ingress (RELIABILITY.md, promise 2: behind
+    HAProxy that close does not always come through)."""
+    handle = engine_handle()
+    before, = engine_stats(handle).values()
+
+    async def leave_once_running():
+        async with httpx.AsyncClient(timeout=300, headers=AUTH) as client:
+            post = asyncio.ensure_future(client.post(server + "/v1/completions",
+                                                     json=_body(0, MAX_ANSWER_TOKENS, False)))
+            running = await asyncio.to_thread(wait_until, lambda: next(iter(
+                engine_stats(handle).values()))["num_running"] > 0, 60)
+            post.cancel()  # the client leaves: its connection closes
+            await asyncio.gather(post, return_exceptions=True)
+            return running
+
+    assert asyncio.run(leave_once_running()), "the request never ran"
+    assert wait_until(lambda: all(is_idle(s) for s in engine_stats(handle).values()), 30)
+    after, = engine_stats(handle).values()
+    assert after["num_requests_cancelled"] == before["num_requests_cancelled"] + 1
+    assert after["num_requests_finished"] == before["num_requests_finished"]
+
+
 ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
           ("GET", "/v1/models/tiny"), ("GET", "/"), ("GET", "/docs"), ("GET", "/openapi.json"),
           ("GET", "/metrics"), ("PUT", "/v1/completions"), ("DELETE", "/v1/models"),
