@@ -45,6 +45,7 @@ from deltas.text_stream import TextStream
 logger = logging.getLogger("ray.serve")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for it, which Serve's access log uses too
 # Prompts of at most this many characters are tokenized on the event loop: the
 # tokenizer holds the GIL for a text this short anyway (deltas/tokenization/tokenizer.py,
 # _RELEASE_GIL_CHARS), so a worker thread would stall the loop as long, and add its
@@ -370,6 +371,11 @@ class Ingress:
             response = await self._generate(request, chat)
         except ApiError as e:
             self._count(route, e.status)
+            raise
+        except asyncio.CancelledError:
+            # NOTE: the client left before its answer's status: counted as what a
+            # proxy logs for it (a stream's later hang-up was counted 200 already)
+            self._count(route, CLIENT_CLOSED_REQUEST)
             raise
         self._count(route, response.status_code)
         return response

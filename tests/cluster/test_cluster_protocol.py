@@ -308,6 +308,34 @@ def test_chat_length_bound_counts_every_message_before_the_template():
     assert f"{num_messages} messages" in info.value.message
 
 
+def test_each_request_counts_one_status_a_client_gone_before_its_answer_499():
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.api.ingress import CLIENT_CLOSED_REQUEST, Ingress
+
+    def ingress_whose_answer(outcome):
+        async def generate(request, chat):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        counted = []
+        return SimpleNamespace(_generate=generate,
+                               _count=lambda route, status: counted.append((route, status))
+                               ), counted
+
+    handle = Ingress.func_or_class._handle
+    for outcome, status in ((asyncio.CancelledError(), CLIENT_CLOSED_REQUEST),
+                            (ApiError(429, "busy"), 429),
+                            (SimpleNamespace(status_code=200), 200)):
+        ingress, counted = ingress_whose_answer(outcome)
+        try:
+            asyncio.run(handle(ingress, None, chat=True))
+        except BaseException as e:  # noqa: BLE001 - the outcome raised again
+            assert e is outcome
+        assert counted == [("chat", status)]
+
+
 def test_serve_local_flags_override_config(tmp_path):
     from cluster.serve_local import app_args, curl_line, parse_args
 
