@@ -46,6 +46,9 @@ logger = logging.getLogger("ray.serve")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for it, which Serve's access log uses too
+# /v1/models waits this long at most for the engine's model info (its max_model_len): a
+# model list must answer while no engine replica is up yet
+MODEL_CARD_INFO_WAIT_S = 2.0
 # Prompts of at most this many characters are tokenized on the event loop: the
 # tokenizer holds the GIL for a text this short anyway (deltas/tokenization/tokenizer.py,
 # _RELEASE_GIL_CHARS), so a worker thread would stall the loop as long, and add its
@@ -469,8 +472,9 @@ class Ingress:
         card = {"id": self._served_model_name, "object": "model", "created": self._created,
                 "owned_by": "stepstream", "root": self._model}
         try:
-            card["max_model_len"] = (await self._info())["max_model_len"]
-        except ApiError:
+            info = await asyncio.wait_for(self._info(), MODEL_CARD_INFO_WAIT_S)
+            card["max_model_len"] = info["max_model_len"]
+        except (ApiError, asyncio.TimeoutError):
             pass  # no engine replica answers now: the card without its context length
         return card
 

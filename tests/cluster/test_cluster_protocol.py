@@ -336,6 +336,29 @@ def test_each_request_counts_one_status_a_client_gone_before_its_answer_499():
         assert counted == [("chat", status)]
 
 
+def test_a_model_card_answers_while_no_engine_replica_does(monkeypatch):
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.api import ingress as ingress_module
+
+    async def never():
+        await asyncio.sleep(3600)
+
+    async def lost():
+        raise ApiError(503, "no engine replica", code="engine_unavailable")
+
+    async def known():
+        return {"max_model_len": 2048}
+
+    monkeypatch.setattr(ingress_module, "MODEL_CARD_INFO_WAIT_S", 0.05)
+    card_of = ingress_module.Ingress.func_or_class._model_card
+    for info, max_model_len in ((never, None), (lost, None), (known, 2048)):
+        fake = SimpleNamespace(_served_model_name="m", _created=1, _model="tiny", _info=info)
+        card = asyncio.run(card_of(fake))
+        assert card["id"] == "m" and card.get("max_model_len") == max_model_len
+
+
 def test_serve_local_flags_override_config(tmp_path):
     from cluster.serve_local import app_args, curl_line, parse_args
 
