@@ -347,8 +347,11 @@ def _compare(configs: dict, skip_seed: bool) -> dict:
     out = {name: {k: configs.get(name, {}).get("summary", {}).get(k) for k in keys} for name, _ in E2E_CONFIGS}
     step, window, single = (out[name] for name in
                             ("N=8 per-step streaming", "N=8 per-window release", "N=1"))
+    # NOTE: each ratio where its own two medians are there and its divisor is not 0 (a
+    # client that read a burst of events at once has median gaps of 0)
     if step["median_tpot_ms"] and window["median_tpot_ms"]:
         out["step_vs_window_tpot_cost"] = step["median_tpot_ms"] / window["median_tpot_ms"] - 1
+    if step["median_itl_ms"] and window["median_itl_ms"] is not None:
         out["window_vs_step_median_itl_ratio"] = window["median_itl_ms"] / step["median_itl_ms"]
     if step["output_throughput"] and single["output_throughput"]:
         out["n8_step_vs_n1_throughput"] = step["output_throughput"] / single["output_throughput"]

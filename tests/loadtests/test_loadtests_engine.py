@@ -69,7 +69,14 @@ def test_gpu_check_end_to_end_plumbing_runs_on_cpu(tmp_path):
             mix = config["step_mix"]  # every prompt token went through a prefill step
             assert mix["prefill_or_mixed"]["prefill_tokens"] == workload["total_prompt_tokens"]
             assert mix["decode_windows"]["seconds"] > 0
-        assert workload["comparison"]["window_vs_step_median_itl_ratio"] > 0
+        # NOTE: the ratios where their medians allow one: beside the other lanes the
+        # client once read every event of a config in bursts (median gaps of 0)
+        comparison = workload["comparison"]
+        step, window = (comparison[name]["median_itl_ms"] for name in
+                        ("N=8 per-step streaming", "N=8 per-window release"))
+        assert step is not None and window is not None
+        if step:
+            assert comparison["window_vs_step_median_itl_ratio"] == window / step
     assert json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["end_to_end"]["status"] == "ok"
     assert (tmp_path / "gpu_check_blocks.txt").read_text().count("Serving Benchmark Result") == 6
 
