@@ -13,11 +13,11 @@ The figure is CPU microseconds per event (process time over the steps, divided b
 streams x steps), the median of the rounds. It includes building each step's
 message (~0.3 us an event) and waiting for every stream's write, so no delta
 merges: the per-step path at its steadiest. Ray's metrics are off (the ingress
-samples them) and the channel is a plain queue, not Serve's response generator. What it leaves out, and what the
-ingress pays on top (`bench --server-pid` measures the whole): Serve's and
-uvicorn's ASGI layers and the socket write under `send`, the per-request work
-(parsing, tokenizing, admission), Ray's metrics, and the other processes on the
-same cores. Machines differ: compare revisions in one sitting, alternated.
+samples them) and the channel is a plain queue, not Serve's response generator.
+What it leaves out, and what the ingress pays on top (`bench --server-pid`
+measures the whole): Serve's and uvicorn's ASGI layers and the socket write under
+`send`, the per-request work (parsing, tokenizing, admission), Ray's metrics, and
+the other processes on the same cores. Machines differ: compare revisions in one sitting, alternated.
 """
 from __future__ import annotations
 

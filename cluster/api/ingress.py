@@ -217,9 +217,11 @@ def _max_token_chars(tokenizer) -> int | None:
 
 def developer_role(tokenizer) -> str:
     """The role a `developer` message renders as: its own where the chat template
-    names it, else `system` (most templates know no developer role, and would
-    add their default system prompt before it)."""
-    return "developer" if "developer" in tokenizer.chat_templates.get("default", "") else "system"
+    names it (as a quoted role, not a word of its default system prompt), else
+    `system` (most templates know no developer role, and would add their default
+    system prompt before it)."""
+    template = tokenizer.chat_templates.get("default", "")
+    return "developer" if "'developer'" in template or '"developer"' in template else "system"
 
 
 def _ingress_identity() -> tuple[str, object]:
