@@ -1,4 +1,4 @@
-"""`make test`: the whole suite as four pytest processes at once:
+"""`make test`: the whole suite as three pytest processes at once:
 
 - "no Ray": every test that starts no Ray (torch work mostly), at a lower CPU
   priority (nice 10), then the few tests that start a Ray of their own in the pytest
@@ -6,18 +6,9 @@
 - "Ray": every test that runs Ray in the pytest process (one local Ray that
   consecutive modules share, or `ray.cluster_utils` nodes), one module after
   another;
-- "docs shells": the tests that run the docs' commands in a shell of their own
-  (`ray start`, `serve deploy`, `make serve`; marker `docs_shell`), one after
-  another, then the tests that slow the machine on purpose;
-- "launchers": the other tests that start Ray in a process of their own (the
-  launcher), one after another.
-
-The last two (marker `front_door`) each start HAProxy, which binds fixed ports (its
-stats and metrics pages): a docs shell runs the commands as written, on the
-defaults, so the launchers' lane moves those two ports to free ones
-(`RAY_SERVE_HAPROXY_STATS_PORT`, `RAY_SERVE_HAPROXY_METRICS_PORT`). The
-launchers' tests are the shorter half: the test that slows the machine goes after
-the docs shells, where the other lanes are ending.
+- "front door": every test that starts Ray in a process of its own (the launcher,
+  a docs shell running `ray start`): HAProxy binds fixed ports (its stats and
+  metrics pages), so these run one after another too (marker `front_door`).
 
 Why: the Ray tests spend most of their time waiting (Serve's drains, delays, health
 checks, first tokens) while the machine sits idle; two Ray lanes wait side by side
@@ -47,7 +38,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,12 +46,7 @@ from pathlib import Path
 
 # name -> (pytest marker expression, niceness)
 LANES = {"no Ray": ("not ray or own_ray", 10), "Ray": ("ray and not front_door and not own_ray", 0),
-         "docs shells": ("ray and front_door and (docs_shell or slows_the_machine)", 0),
-         "launchers": ("ray and front_door and not docs_shell and not slows_the_machine", 0)}
-# Serve's HAProxy settings for the ports it binds whatever the app's port: moved to free
-# ones in these lanes (a docs shell drops every RAY_ variable and keeps the defaults)
-HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
-LANES_ON_FREE_HAPROXY_PORTS = ("launchers",)
+         "front door": ("ray and front_door", 0)}
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 # pytest's short summary: "FAILED tests/x.py::test_y[a b] - AssertionError: ..."
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S.*?)(?: - .*)?$")
@@ -89,20 +74,8 @@ def _failed_tests(log: str) -> list[str]:
 
 # Ray's and Serve's variables a shell may hold (README's second way exports some):
 # the in-process Ray lane must start a Ray of its own with Serve's Python proxy, not
-# join another cluster or take HAProxy's fixed ports beside the front-door lanes.
+# join another cluster or take HAProxy's fixed ports beside the front-door lane.
 _SCRUBBED_ENV = ("RAY_ADDRESS", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED")
-
-
-def _free_haproxy_ports() -> dict[str, str]:
-    """HAPROXY_PORT_ENV on ports free now, distinct from each other."""
-    socks = [socket.socket() for _ in HAPROXY_PORT_ENV]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return {var: str(sock.getsockname()[1]) for var, sock in zip(HAPROXY_PORT_ENV, socks)}
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def main(argv: list[str]) -> int:
@@ -118,10 +91,9 @@ def main(argv: list[str]) -> int:
         for name, (marks, niceness) in LANES.items():
             log_path = Path(tmp) / f"{name.replace(' ', '-')}.log"
             log = open(log_path, "w")
-            lane_env = env | (_free_haproxy_ports() if name in LANES_ON_FREE_HAPROXY_PORTS else {})
             proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", marks, *argv],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=lane_env, preexec_fn=lambda n=niceness: os.nice(n))
+                                    env=env, preexec_fn=lambda n=niceness: os.nice(n))
             runs[name] = (proc, log, log_path)
         # NOTE: for tests that load the machine on purpose, to see whether the other
         # lanes load it already (tests/reliability_support.py busy_core)

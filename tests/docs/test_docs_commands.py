@@ -43,9 +43,8 @@ from docs_support import (
     shell_commands, substitute, venv_dir, wait_closed, wait_healthy, with_venv,
 )
 
-# HAProxy binds fixed ports (the defaults: the commands run as written): one module of
-# these at a time (tests/run_lanes.py).
-pytestmark = [pytest.mark.front_door, pytest.mark.docs_shell]
+# HAProxy binds fixed ports: one module of these at a time (tests/run_lanes.py).
+pytestmark = pytest.mark.front_door
 
 SNIPPETS = all_snippets()
 # The ways to run the app: where two docs give one, they must give the same commands.

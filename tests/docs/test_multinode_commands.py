@@ -29,9 +29,8 @@ from docs_support import (
 )
 from multinode_support import ENGINE_RESOURCE, INGRESS_RESOURCE
 
-# HAProxy binds fixed ports (the defaults: the commands run as written): one module of
-# these at a time (tests/run_lanes.py).
-pytestmark = [pytest.mark.front_door, pytest.mark.docs_shell]
+# HAProxy binds fixed ports: one module of these at a time (tests/run_lanes.py).
+pytestmark = pytest.mark.front_door
 
 DOC = "docs/multinode.md"
 NUM_ENGINE_NODES = 2
