@@ -335,7 +335,8 @@ class Ingress:
 
     # ---- routes -----------------------------------------------------------------
 
-    @app.get("/health")
+    # NOTE: HEAD too: load balancers' and uptime checkers' probes often use it
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> JSONResponse:
         cache = getattr(self, "_health_cache", None)
         if cache is None:  # made on first use: one per ingress replica

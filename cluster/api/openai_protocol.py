@@ -277,6 +277,15 @@ class ChatMessage(BaseModel):
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_given(self):
+        # NOTE: as the OpenAI API: only an assistant message may come without content
+        # (a replayed turn); a null prompt from any other role is a client's bug, not
+        # an empty message
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""

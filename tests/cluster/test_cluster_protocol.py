@@ -98,6 +98,18 @@ def test_chat_request_fields():
         {"role": "wizard", "content": "x"}]})[1] == "messages.0.role"
 
 
+def test_only_an_assistant_message_may_come_without_content():
+    for role in ("system", "developer", "user"):
+        for message in ({"role": role, "content": None}, {"role": role}):
+            msg, param = _error(ChatCompletionRequest, {"model": "m", "messages": [
+                {"role": "user", "content": "hi"}, message]})
+            assert param == "messages.1" and f"a {role} message needs content" in msg, msg
+    req = _parse(ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "user", "content": ""}, {"role": "assistant", "content": None}]})
+    assert req.template_messages() == [{"role": "user", "content": ""},
+                                       {"role": "assistant", "content": ""}]
+
+
 def test_completion_chunks_are_openai_shaped():
     fmt = CompletionFormatter("cmpl-1", "tiny", 123, include_usage=True)
     event = fmt.chunk_event('he said "hi"\n')
@@ -288,13 +300,14 @@ def test_chat_length_bound_counts_every_message_before_the_template():
     tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir("tiny"))
     # A bound: never more characters than the chat template makes.
     req = _parse(ChatCompletionRequest, {"model": "tiny", "messages": [
-        {"role": "system"}, {"role": "user", "content": "hi"},
+        {"role": "system", "content": ""}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]})
     rendered = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=False)
     assert 3 < _prompt_chars(req, True) <= len(rendered)
-    # A body at the size limit of nothing but empty messages: 400 before the
-    # template and the tokenizer (seconds of CPU for 1.3M tokens) run.
-    message = b'{"role":"user"},'
+    # A body at the size limit of nothing but empty messages (an assistant's may
+    # leave its content out): 400 before the template and the tokenizer (seconds of
+    # CPU for 1.3M tokens) run.
+    message = b'{"role":"assistant"},'
     num_messages = (DEFAULT_MAX_BODY_BYTES - 64) // len(message)
     body = b'{"model":"tiny","messages":[' + (message * num_messages)[:-1] + b']}'
     assert len(body) <= DEFAULT_MAX_BODY_BYTES

@@ -86,6 +86,8 @@ def engines_idle() -> bool:
 
 def test_health_and_models(server, client):
     assert httpx.get(server + "/health").json() == {"status": "ok"}  # no key needed
+    head = httpx.head(server + "/health")
+    assert head.status_code == 200 and head.content == b""
     # NOTE: the first request of this module: the card has the context length before
     # any generation asked the engine for it
     models = httpx.get(server + "/v1/models", headers=AUTH).json()
