@@ -120,7 +120,7 @@ _BAD_CHAT = {
             lambda r: r not in ("system", "developer", "user", "assistant")),
             "content": st.text(max_size=10)}), min_size=1, max_size=3),
         st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _NON_STRING.filter(
-            lambda v: v is not None and not (isinstance(v, list) and not v))}),
+            lambda v: not (isinstance(v, list) and not v))}),
             min_size=1, max_size=2),
         st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(
             st.fixed_dictionaries({"type": st.text(max_size=6).filter(lambda t: t != "text"),
