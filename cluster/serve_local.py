@@ -39,7 +39,8 @@ from cluster.launcher import console, cpu_layout, preflight, process_reaper
 from cluster.api.access import API_KEY_ENV, check_access, key_digest
 from cluster.launcher.console import curl_line  # noqa: F401 - tests and tools import it from here
 from cluster.engine_args import add_engine_flags, engine_flag_values
-from cluster.launcher.front_door import FRONT_DOORS, front_door_env, resolve_front_door
+from cluster.launcher.front_door import (FRONT_DOORS, HAPROXY_BINARY_ENV, HAPROXY_COMMAND,
+                                         front_door_env, resolve_front_door)
 
 APP_NAME = "stepstream"
 
@@ -271,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     if mport is None:
         return status
     console.say(f"Front door: {front_door} ({why})")
+    if front_door == "haproxy" and HAPROXY_BINARY_ENV not in front_door_env(front_door):
+        console.warn(f"{HAPROXY_COMMAND} is not installed (pip install the project): HAProxy "
+                     "runs with splicing, and a non-streamed request whose client leaves "
+                     "may run to its last token (RELIABILITY.md, promise 2)")
     if layout is not None:
         console.say(f"Replicas: {layout.describe()} (one engine replica per core up to "
                     f"{cpu_layout.ONE_PER_CORE_UP_TO}: docs/operations.md; "

@@ -10,13 +10,19 @@ selects it. Torch-free and Ray-free: the launcher reads it before Ray starts.
 
 Serve reads these variables once per process, so they must be in the environment
 of every Ray process: set before `ray.init` (the launcher does) or `ray start`
-(the cluster YAMLs and the README's commands do).
+(the cluster YAMLs and the README's commands do). With HAProxy they also name the
+binary Serve starts: `stepstream-haproxy`, HAProxy with splice() off, which passes a
+client's hang-up on to the ingress (cluster/launcher/haproxy_without_splice.py).
 """
 from __future__ import annotations
 
 import os
 import shutil
 import sys
+from pathlib import Path
+
+from cluster.launcher.haproxy_without_splice import COMMAND as HAPROXY_COMMAND
+from cluster.launcher.haproxy_without_splice import REAL_BINARY_ENV
 
 FRONT_DOORS = ("haproxy", "serve-proxy")
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
@@ -26,6 +32,7 @@ SERVE_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIM
 # every Ctrl-C of a local app would wait out). On one machine HAProxy learns of the
 # change at once and retries refused connections, so a short period is enough.
 LOCAL_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Serve's: the binary it starts
 
 
 def _is_executable(path: str) -> bool:
@@ -70,9 +77,33 @@ def resolve_front_door(requested: str | None) -> tuple[str, str]:
     return ("haproxy", f"the default; {why}") if ok else ("serve-proxy", f"the fallback: {why}")
 
 
+def haproxy_command() -> str | None:
+    """The installed `stepstream-haproxy` (beside this interpreter, as a virtual
+    environment puts it, or on PATH), or None."""
+    beside = Path(sys.executable).with_name(HAPROXY_COMMAND)
+    if _is_executable(str(beside)):
+        return str(beside)
+    return shutil.which(HAPROXY_COMMAND)
+
+
+def haproxy_binary_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables that make Serve start `stepstream-haproxy`, and it the HAProxy
+    that `environ` named (a RAY_SERVE_HAPROXY_BINARY_PATH of the user's own); {}
+    where the command is not installed (Ray's HAProxy as it is)."""
+    environ = os.environ if environ is None else environ
+    command = haproxy_command()
+    if command is None:
+        return {}
+    env = {HAPROXY_BINARY_ENV: command}
+    named = environ.get(HAPROXY_BINARY_ENV)
+    if named and os.path.realpath(named) != os.path.realpath(command):
+        env[REAL_BINARY_ENV] = named
+    return env
+
+
 def front_door_env(front_door: str, local: bool = False) -> dict[str, str]:
     """The variables that select `front_door` in every Ray process; `local` (one
     machine, the launcher) also shortens the drain of replicas behind HAProxy."""
     if front_door == "serve-proxy":
         return dict(SERVE_PROXY_ENV)
-    return {**HAPROXY_ENV, **(LOCAL_DRAIN_ENV if local else {})}
+    return {**HAPROXY_ENV, **haproxy_binary_env(), **(LOCAL_DRAIN_ENV if local else {})}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import shlex
 from pathlib import Path
 
 import pytest
@@ -126,17 +127,19 @@ def _exported(command: str) -> dict[str, str]:
     """`export A=1 B=2` (the line a cluster YAML appends to ~/.bashrc) -> {A: 1, B: 2}."""
     line = command.split("echo '", 1)[1].split("'", 1)[0]
     assert line.startswith("export "), command
-    return dict(word.split("=", 1) for word in line.split()[1:])
+    return dict(word.split("=", 1) for word in shlex.split(line)[1:])
 
 
 @pytest.mark.parametrize("name", CLUSTER_CONFIGS)
 def test_cluster_configs_run_the_haproxy_front_door_on_every_node(name):
-    from cluster.launcher.front_door import HAPROXY_ENV
+    from cluster.launcher.front_door import HAPROXY_BINARY_ENV, HAPROXY_ENV
 
     exported = {}
     for command in _load(name)["initialization_commands"]:
         exported.update(_exported(command))
     assert {k: exported.get(k) for k in HAPROXY_ENV} == HAPROXY_ENV
+    # started as stepstream-haproxy (splice() off), found where `ray start` runs
+    assert exported[HAPROXY_BINARY_ENV] == "$(command -v stepstream-haproxy)"
 
 
 def test_local_config_drains_like_the_launcher():

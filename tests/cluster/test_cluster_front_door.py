@@ -52,13 +52,42 @@ def test_a_requested_door_wins_and_a_bad_one_is_refused():
         fd.resolve_front_door("nginx")
 
 
-def test_each_door_sets_both_variables_explicitly():
+COMMAND = "/venv/bin/stepstream-haproxy"
+
+
+def test_each_door_sets_both_variables_explicitly(monkeypatch):
     """A shell that exported the HAProxy variables must not leak them into a
     serve-proxy launch, and the local launcher shortens the drain only with HAProxy."""
+    monkeypatch.setattr(fd, "haproxy_command", lambda: COMMAND)
+    monkeypatch.delenv(fd.HAPROXY_BINARY_ENV, raising=False)
     proxy, haproxy = fd.front_door_env("serve-proxy", local=True), fd.front_door_env("haproxy")
     assert proxy.keys() >= fd.HAPROXY_ENV.keys() and set(proxy.values()) == {"0"}
-    assert haproxy == fd.HAPROXY_ENV
-    assert fd.front_door_env("haproxy", local=True) == {**fd.HAPROXY_ENV, **fd.LOCAL_DRAIN_ENV}
+    assert haproxy == {**fd.HAPROXY_ENV, fd.HAPROXY_BINARY_ENV: COMMAND}
+    assert fd.front_door_env("haproxy", local=True) == {
+        **fd.HAPROXY_ENV, fd.HAPROXY_BINARY_ENV: COMMAND, **fd.LOCAL_DRAIN_ENV}
+
+
+def test_serve_starts_stepstream_haproxy_which_runs_the_users_own_binary(monkeypatch):
+    """The user's RAY_SERVE_HAPROXY_BINARY_PATH stays the HAProxy that runs, with
+    splice() off; one that already names the command is not passed on to itself."""
+    from cluster.launcher.haproxy_without_splice import REAL_BINARY_ENV
+
+    monkeypatch.setattr(fd, "haproxy_command", lambda: COMMAND)
+    assert fd.haproxy_binary_env({}) == {fd.HAPROXY_BINARY_ENV: COMMAND}
+    own = {fd.HAPROXY_BINARY_ENV: "/opt/haproxy-3.0/sbin/haproxy"}
+    assert fd.haproxy_binary_env(own) == {fd.HAPROXY_BINARY_ENV: COMMAND,
+                                          REAL_BINARY_ENV: "/opt/haproxy-3.0/sbin/haproxy"}
+    assert fd.haproxy_binary_env({fd.HAPROXY_BINARY_ENV: COMMAND}) == {
+        fd.HAPROXY_BINARY_ENV: COMMAND}
+    # not installed (a source tree on PYTHONPATH): Ray's HAProxy as it is
+    monkeypatch.setattr(fd, "haproxy_command", lambda: None)
+    assert fd.haproxy_binary_env(own) == {}
+
+
+def test_the_project_installs_the_command():
+    """pyproject.toml's script, beside this interpreter (make install)."""
+    command = fd.haproxy_command()
+    assert command is not None and command.endswith("/stepstream-haproxy")
 
 
 def test_launcher_flags_pick_the_door():
@@ -82,3 +111,5 @@ def test_the_docs_export_what_the_launcher_sets():
                 if c.startswith("export "):
                     exported.update(w.split("=", 1) for w in c.split("#")[0].split()[1:] if "=" in w)
             assert {k: exported.get(k) for k in fd.HAPROXY_ENV} == fd.HAPROXY_ENV, snip.where
+            assert (f'export {fd.HAPROXY_BINARY_ENV}="$(command -v stepstream-haproxy)"'
+                    in [c.split("#")[0].strip() for c in commands[:start]]), snip.where

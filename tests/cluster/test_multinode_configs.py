@@ -126,7 +126,7 @@ def _containers(service: dict) -> list[dict]:
 
 def test_ray_token_and_api_key_come_from_the_secret_on_every_pod():
     from cluster.api.access import API_KEY_ENV
-    from cluster.launcher.front_door import HAPROXY_ENV
+    from cluster.launcher.front_door import HAPROXY_BINARY_ENV, HAPROXY_ENV
 
     service = _rayservice()
     auth = service["spec"]["rayClusterConfig"]["authOptions"]
@@ -139,6 +139,8 @@ def test_ray_token_and_api_key_come_from_the_secret_on_every_pod():
         assert env[API_KEY_ENV]["valueFrom"]["secretKeyRef"] == {"name": secret,
                                                                   "key": "api_key"}
         assert {k: env[k]["value"] for k in HAPROXY_ENV} == HAPROXY_ENV
+        # Serve starts HAProxy as stepstream-haproxy (splice() off): pip's bin of the image
+        assert env[HAPROXY_BINARY_ENV]["value"] == "/home/ray/anaconda3/bin/stepstream-haproxy"
         assert container["image"] == _containers(service)[0]["image"]
     assert "rayproject/ray:" + service["spec"]["rayClusterConfig"]["rayVersion"] in (
         (CONFIGS / "rayservice.yaml").read_text())

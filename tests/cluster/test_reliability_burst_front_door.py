@@ -17,20 +17,25 @@ refusals by the gate), and the admitted ones waited 3.9 s (median) for their fir
 token after admission, 4.2 s at most (with the gate: 0.5-1.2 s, 1.0-1.4 s at most
 when run alone). The
 burst comes from a process of its own (tests/burst_client.py), so that the client's
-own work on 800 connections does not delay the reading of the running streams."""
+own work on 800 connections does not delay the reading of the running streams.
+
+On the same server, first: non-streamed requests whose clients leave are aborted
+behind HAProxy too (Serve starts it as `stepstream-haproxy`, splice() off: with
+splicing some ran to their last token; RELIABILITY.md, promise 2)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from loadtests.local_server import LocalServer
+from loadtests.local_server import LocalServer, free_port
 from reliability_support import busy_core, stream_request
 
 pytestmark = [pytest.mark.ray, pytest.mark.front_door, pytest.mark.slows_the_machine,
@@ -70,15 +75,64 @@ INGRESS_REFUSAL = "ingress_max_pending_requests"  # in the gate's 429 message
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def metrics_url():
+    return f"http://127.0.0.1:{free_port()}/metrics"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, metrics_url):
     tmp = tmp_path_factory.mktemp("burst")
     config = tmp / "serve.yaml"
     config.write_text(yaml.safe_dump({"applications": [
         {"name": "stepstream", "route_prefix": "/", "import_path": "cluster.app:build_app",
          "args": APP_ARGS}]}))
-    with LocalServer(["--config", str(config), "--num-cpus", "4"], model=MODEL,
-                     log_path=tmp / "server.log", stop_timeout_s=60) as srv:
+    metrics_port = metrics_url.split(":")[-1].split("/")[0]
+    with LocalServer(["--config", str(config), "--num-cpus", "4", "--metrics-port", metrics_port],
+                     model=MODEL, log_path=tmp / "server.log", stop_timeout_s=60) as srv:
         yield srv.base_url
+
+
+ABANDONED = 4  # at once: with splicing, 1-2 of 4 ran to their end in every round of 3
+ABANDON_AFTER_S = 1.0
+ABORTED_WITHIN_S = 60.0  # bounds a wait for Ray's metrics (reported every 10 s)
+
+
+def _requests_by_status(metrics_url: str) -> dict[str, float]:
+    """ray_stepstream_requests_total by status, from the launcher's Prometheus page."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("ray_stepstream_requests_total{"):
+            status = line.split('status="', 1)[1].split('"', 1)[0]
+            counts[status] = counts.get(status, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_aborted_behind_haproxy(server, metrics_url):
+    """Each counts 499 (its client gone before its status), none 200 (run on to its
+    last token after its client left)."""
+    url = server + "/v1/completions"
+    before = _requests_by_status(metrics_url)
+
+    async def leave(k: int) -> None:
+        body = {**_body(1500, f"Tell me a long story {k}"), "stream": False}
+        async with httpx.AsyncClient(timeout=ABANDON_AFTER_S) as client:
+            with pytest.raises(httpx.TimeoutException):
+                await client.post(url, json=body)
+
+    async def run():
+        await asyncio.gather(*(leave(k) for k in range(ABANDONED)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + ABORTED_WITHIN_S
+    while True:
+        now = _requests_by_status(metrics_url)
+        gone = now.get("499", 0) - before.get("499", 0)
+        answered = now.get("200", 0) - before.get("200", 0)
+        if gone >= ABANDONED or answered or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert (gone, answered) == (ABANDONED, 0), (
+        f"of {ABANDONED} abandoned requests {gone} were aborted, {answered} ran to their end")
 
 
 def _body(max_tokens: int, prompt: str) -> dict:

