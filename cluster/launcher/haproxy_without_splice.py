@@ -2,13 +2,13 @@
 start as its front door (`RAY_SERVE_HAPROXY_BINARY_PATH` names this command).
 
 Why: Serve's HAProxy config forwards request bodies with kernel splicing (`option
-splice-request`). A request whose body HAProxy spliced to the ingress no longer
-passes its client's close on: a non-streamed request whose client hung up kept its
-engine slot to its last token (measured on `tiny`, 4 requests abandoned after 1 s,
-3 rounds: 4 of the 12 ran to their end with splicing, none without; RELIABILITY.md,
+splice-request`), and HAProxy does not pass the client's close of a spliced request
+on to the ingress. A non-streamed request writes nothing until its answer is done,
+so one whose client hung up kept its engine slot to its last token (RELIABILITY.md,
 promise 2). Serve writes that config, so the switch goes on HAProxy's command line,
 which this command extends. Without splicing HAProxy copies through its buffers:
-for SSE events of a few hundred bytes that is no dearer (docs/performance.md).
+for SSE events of a few hundred bytes and small request bodies that is no dearer
+(docs/performance.md).
 
 It imports neither torch nor Ray: Serve runs it at every start and reload of HAProxy.
 """
