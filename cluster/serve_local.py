@@ -43,6 +43,7 @@ from cluster.launcher.front_door import (FRONT_DOORS, HAPROXY_BINARY_ENV, HAPROX
                                          front_door_env, resolve_front_door)
 
 APP_NAME = "stepstream"
+RAY_START_TIMED_OUT = "timed out during startup"  # in Ray's exception (ray/_private/node.py)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -301,9 +302,19 @@ def _serve(ns, app_cfg, host: str, port: int, mport: int, has_key: bool) -> int:
     console.say(f"Starting a local Ray ({num_cpus} CPUs, {auth}), Serve and the app")
     # NOTE: address="local": always a Ray of its own, even when `ray start` left one
     # running (connecting to it would refuse num_cpus).
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             log_to_driver=ns.verbose, _metrics_export_port=mport,
-             logging_level=logging.INFO if ns.verbose else logging.WARNING)
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 log_to_driver=ns.verbose, _metrics_export_port=mport,
+                 logging_level=logging.INFO if ns.verbose else logging.WARNING)
+    except Exception as e:
+        # NOTE: Ray waits a fixed 30 s for its node to register; on a machine busy
+        # with other work that can run out. What it started, the watchdog ends.
+        if RAY_START_TIMED_OUT not in str(e):
+            raise
+        console.error("Ray's node did not register within Ray's fixed 30 s: this machine "
+                      "is too busy to start it now", "start it again (exit status "
+                      f"{console.EXIT_TRY_AGAIN}: a temporary failure)")
+        return console.EXIT_TRY_AGAIN
     # NOTE: again: ray.init installs its own SIGTERM handler (sys.exit(15)).
     _stop_on_signals(stop)
     if reaper is not None and reaper.poll() is not None:

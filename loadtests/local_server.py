@@ -3,6 +3,8 @@
 The server runs in its own process group (its own session), so stopping it reaches
 Ray's helpers too: SIGINT first (a clean Serve shutdown), then SIGTERM, then SIGKILL.
 Every started server is also stopped at interpreter exit (atexit), whatever happens.
+A launcher that gives up because Ray's own start-up did not finish in time (its exit
+status "try again") is started once more.
 """
 from __future__ import annotations
 
@@ -17,7 +19,16 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from cluster.launcher.console import EXIT_TRY_AGAIN
+
 LIVE: set["LocalServer"] = set()  # started and not yet stopped
+# NOTE: the launcher's "try again" (Ray gave up on its own start-up, on a machine busy
+# with other work: cluster/serve_local.py) gets one more start
+START_ATTEMPTS = 2
+
+
+class _TryAgain(RuntimeError):
+    """The launcher exited with EXIT_TRY_AGAIN before it was ready."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,21 +91,29 @@ class LocalServer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "wb")
         out = self._log_file or subprocess.DEVNULL
-        self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        env=self.env, cwd=self.cwd)
         LIVE.add(self)
-        try:
-            wait_healthy(self.base_url, self.startup_timeout_s, self._check_alive)
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            env=self.env, cwd=self.cwd)
+            try:
+                wait_healthy(self.base_url, self.startup_timeout_s, self._check_alive)
+                return self
+            except _TryAgain:
+                if attempt == START_ATTEMPTS:
+                    self.stop()
+                    raise
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def _check_alive(self) -> None:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"server exited with code {self.process.returncode} before ready "
-                               f"({' '.join(self.command)}; log: {self.log_path})")
+        code = self.process.poll()
+        if code is not None:
+            failed = _TryAgain if code == EXIT_TRY_AGAIN else RuntimeError
+            raise failed(f"server exited with code {code} before ready "
+                         f"({' '.join(self.command)}; log: {self.log_path})")
 
     def _signal_group(self, sig: int) -> None:
         try:

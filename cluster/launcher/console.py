@@ -62,6 +62,11 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
+# The launcher's exit status when Ray's own start-up gave up on a busy machine: a
+# temporary failure (sysexits' EX_TEMPFAIL), worth one more try (loadtests/local_server.py).
+EXIT_TRY_AGAIN = 75
+
+
 def error(message: str, hint: str | None = None) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     if hint:

@@ -115,7 +115,7 @@ def test_flags_reach_the_app_args():
 # Runs the launcher's main() in a child process with stand-ins for Ray: prints what
 # ray.init got and the exit status.
 _STAND_INS = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import ray
     from ray import serve
     from cluster.launcher import process_reaper
@@ -123,8 +123,11 @@ _STAND_INS = textwrap.dedent("""
 
     seen = {}
     process_reaper.start = lambda: None
-    ray.init = lambda **kw: seen.update(init={k: kw.get(k) for k in ("_metrics_export_port",
-                                                                      "logging_level")})
+    def init(**kw):
+        if os.environ.get("RAY_INIT_RAISES"):  # Ray's own failure, as it words it
+            raise Exception(os.environ["RAY_INIT_RAISES"])
+        seen.update(init={k: kw.get(k) for k in ("_metrics_export_port", "logging_level")})
+    ray.init = init
     ray.cluster_resources = lambda: {"CPU": 2.0, "GPU": float(sys.argv[1])}
     ray.shutdown = lambda: None
     def start(**kw):
@@ -137,13 +140,25 @@ _STAND_INS = textwrap.dedent("""
 """)
 
 
-def _with_stand_ins(num_gpus_seen: int, *flags: str) -> tuple[dict, str]:
-    env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_API_KEY"}
+def _with_stand_ins(num_gpus_seen: int, *flags: str, **extra_env: str) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_API_KEY"} | extra_env
     result = subprocess.run([sys.executable, "-c", _STAND_INS, str(num_gpus_seen), *flags],
                             capture_output=True, text=True, timeout=90, env=env)
     line = next((x for x in result.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, result.stdout + result.stderr
     return json.loads(line[len("RESULT "):]), result.stderr
+
+
+def test_ray_giving_up_on_its_own_start_is_a_try_again_not_a_traceback():
+    """Ray waits a fixed 30 s for its node; on a busy machine that runs out."""
+    from cluster.launcher.console import EXIT_TRY_AGAIN
+
+    seen, stderr = _with_stand_ins(0, "--port", str(free_port()), RAY_INIT_RAISES=(
+        "The current node timed out during startup. This could happen because some of the "
+        "raylet failed to startup or the GCS has become overloaded."))
+    assert seen["status"] == EXIT_TRY_AGAIN and "serve_start" not in seen
+    assert "did not register within Ray's fixed 30 s" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
 
 
 def test_metrics_port_reaches_ray_and_too_few_gpus_is_said_plainly():

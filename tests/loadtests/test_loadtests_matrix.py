@@ -108,6 +108,33 @@ def test_server_that_exits_early_is_reported(tmp_path, monkeypatch):
         LocalServer([], module="exits_at_once", startup_timeout_s=20).start()
 
 
+def test_a_launcher_that_says_try_again_starts_once_more(tmp_path, monkeypatch):
+    """Exit status 75 (Ray gave up on its own start-up on a busy machine): one more
+    start; a second 75 is reported as any early exit."""
+    from cluster.launcher.console import EXIT_TRY_AGAIN
+
+    _write_module(tmp_path, "busy_then_fake", f"""
+        import os, runpy, sys
+        tries = os.path.join({str(tmp_path)!r}, "tries")
+        with open(tries, "a") as f:
+            f.write("x")
+        if len(open(tries).read()) <= int(os.environ["BUSY_TRIES"]):
+            sys.exit({EXIT_TRY_AGAIN})
+        runpy.run_module("loadtests.fake_server", run_name="__main__")
+    """)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("BUSY_TRIES", "1")
+    with LocalServer(["--step-ms", "1"], module="busy_then_fake", model="fake",
+                     log_path=tmp_path / "s.log", startup_timeout_s=30):
+        pass
+    assert (tmp_path / "tries").read_text() == "xx"
+    (tmp_path / "tries").unlink()
+    monkeypatch.setenv("BUSY_TRIES", "2")
+    with pytest.raises(RuntimeError, match=f"exited with code {EXIT_TRY_AGAIN}"):
+        LocalServer([], module="busy_then_fake", startup_timeout_s=20).start()
+    assert (tmp_path / "tries").read_text() == "xx"
+
+
 def test_local_server_stops_its_process_group(tmp_path):
     server = LocalServer(["--step-ms", "1"], module="loadtests.fake_server", model="fake",
                          log_path=tmp_path / "s.log", startup_timeout_s=30)
