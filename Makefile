@@ -55,13 +55,15 @@ $(GPU_STAMP): pyproject.toml
 
 install-gpu: $(GPU_STAMP)
 
+# NOTE: exec: the launcher replaces make's shell, so one process answers to
+# `pgrep -f cluster.serve_local` (bench --server-pid) and gets signals directly.
 serve: $(STAMP)
-	$(PY) -m cluster.serve_local --model '$(SERVE_MODEL)' $(SERVE_FLAGS)
+	exec $(PY) -m cluster.serve_local --model '$(SERVE_MODEL)' $(SERVE_FLAGS)
 
 # One GPU, one command: the engine replica gets the GPU (its device is cuda).
 serve-gpu: $(GPU_STAMP)
 	@test -n "$(MODEL)" || { echo "usage: make serve-gpu MODEL=/path/to/checkpoint [SERVE_FLAGS=...]" >&2; exit 2; }
-	$(PY) -m cluster.serve_local --model '$(MODEL)' --engine-num-gpus 1 $(SERVE_FLAGS)
+	exec $(PY) -m cluster.serve_local --model '$(MODEL)' --engine-num-gpus 1 $(SERVE_FLAGS)
 
 # The whole suite (what .ci/run calls), e.g. make test TEST_FLAGS="-x": three
 # pytest lanes at once (tests/run_lanes.py): no Ray (niced), the shared local Ray,

@@ -52,8 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="a Serve config YAML (e.g. configs/serve.yaml) as the base")
     p.add_argument("--served-model-name")
     p.add_argument("--host", help="default 127.0.0.1")
-    p.add_argument("--port", type=int, help="default 8000")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--port", type=port_number, help="default 8000")
+    p.add_argument("--metrics-port", type=port_number, default=None,
                    help=f"Ray's Prometheus metrics on http://127.0.0.1:PORT/metrics (default "
                         f"{preflight.DEFAULT_METRICS_PORT}; when that one is taken, a free "
                         "port, printed)")
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "var STEPSTREAM_API_KEY (a flag shows in the process list)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve without an API key on a non-loopback --host")
-    p.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray")
+    p.add_argument("--num-cpus", type=positive_int, help="logical CPUs of the local Ray")
     p.add_argument("--front-door", choices=FRONT_DOORS, default=None,
                    help="haproxy (the default where Ray ships it: Ray Serve's HAProxy front "
                         "door, plain HTTP) or serve-proxy (Serve's Python HTTP proxy)")
@@ -84,13 +84,79 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port a server can bind (1-65535)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (1-65535)")
+    return port
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def settings_problems(error: ValueError, most: int = 3) -> str:
+    """What AppArgs refused, one clause a problem (the key, pydantic's words without
+    its echo of every setting and its link)."""
+    errors = getattr(error, "errors", None)
+    if errors is None:
+        return str(error)
+    parts = []
+    for err in errors(include_url=False)[:most]:
+        key = ".".join(str(part) for part in err.get("loc", ()))
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        parts.append(f"{key}: {msg}" if key and key not in msg else msg)
+    return "; ".join(parts)
+
+
+class ConfigError(ValueError):
+    """A --config file the launcher cannot read: said in one line, before Ray starts."""
+
+
+def _mapping(value, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping, not {type(value).__name__}")
+    return dict(value)
+
+
 def _read_config(path: str) -> tuple[dict, dict]:
+    """(applications[0].args, http_options) of a Serve config file."""
     import yaml
 
-    with open(path) as f:
-        config = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{path} is not valid YAML{where}: "
+                          f"{getattr(e, 'problem', None) or e}") from None
+    config = _mapping(config, f"{path}: the file")
     apps = config.get("applications") or [{}]
-    return dict(apps[0].get("args") or {}), dict(config.get("http_options") or {})
+    if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
+        raise ConfigError(f"{path}: applications must be a list of mappings")
+    http = _mapping(config.get("http_options"), f"{path}: http_options")
+    if "port" in http:
+        try:
+            http["port"] = port_number(str(http["port"]))
+        except argparse.ArgumentTypeError as e:
+            raise ConfigError(f"{path}: http_options.port: {e}") from None
+    return _mapping(apps[0].get("args"), f"{path}: applications[0].args"), http
 
 
 def chosen_args(ns: argparse.Namespace) -> tuple[dict, dict]:
@@ -123,7 +189,7 @@ def _app_args_and_layout(ns: argparse.Namespace
         args.update(layout.app_args())
     _use_key(args, ns.api_key or os.environ.get(API_KEY_ENV))
     host = ns.host or http.get("host") or "127.0.0.1"
-    port = ns.port or int(http.get("port") or 8000)
+    port = ns.port or http.get("port") or 8000
     return args, host, port, layout
 
 
@@ -246,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.api_key:
         console.warn(f"--api-key shows in the process list; prefer the env var {API_KEY_ENV}")
-    args, host, port, layout = _app_args_and_layout(ns)
+    try:
+        args, host, port, layout = _app_args_and_layout(ns)
+    except ConfigError as e:
+        console.error(f"--config: {e}")
+        return 2
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # NOTE: token auth is what Ray picks for a new local instance anyway; set, it is
     # picked without Ray's notice that suggests turning it off.
@@ -259,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app_cfg = AppArgs.model_validate(args)  # fail fast, before Ray starts
     except ValueError as e:
-        console.error(f"invalid settings: {e}")
+        console.error(f"invalid settings: {settings_problems(e)}")
         return 2
     has_key = app_cfg.api_key_digest() is not None
     try:

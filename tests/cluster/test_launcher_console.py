@@ -98,6 +98,61 @@ def test_an_app_that_cannot_deploy_says_why_and_exits(tmp_path):
     assert result.stdout.splitlines()[-2:] == ["Shutting down", "Stopped"], result.stdout
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--port", "99999"], "argument --port: 99999 is not a port number (1-65535)"),
+    (["--port", "0"], "argument --port: 0 is not a port number"),
+    (["--metrics-port", "-5"], "argument --metrics-port: -5 is not a port number"),
+    (["--port", "abc"], "argument --port: 'abc' is not a port number"),
+    (["--num-cpus", "0"], "argument --num-cpus: 0 is not at least 1"),
+])
+def test_a_flag_out_of_range_is_refused_in_a_line(flags, said, capsys):
+    from cluster.serve_local import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(flags)
+    assert info.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, said", [
+    (None, "cannot read"),
+    ("applications: [\n", "is not valid YAML (line 2)"),
+    ("- 1\n- 2\n", "the file must be a mapping, not list"),
+    ("applications: 5\n", "applications must be a list of mappings"),
+    ("applications:\n  - args: [1, 2]\n", "applications[0].args must be a mapping, not list"),
+    ("http_options: 8000\n", "http_options must be a mapping, not int"),
+    ("http_options:\n  port: eighty\n", "http_options.port: 'eighty' is not a port number"),
+    ("http_options:\n  port: 70000\n", "http_options.port: 70000 is not a port number"),
+])
+def test_a_config_file_the_launcher_cannot_read_is_one_line_before_ray(tmp_path, text, said,
+                                                                      capsys):
+    from cluster import serve_local
+
+    config = tmp_path / "serve.yaml"
+    if text is not None:
+        config.write_text(text)
+    assert serve_local.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --config: ") and said in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_settings_the_app_refuses_are_named_without_pydantic_echoing_them():
+    from pydantic import ValidationError
+
+    from cluster.app import AppArgs
+    from cluster.serve_local import settings_problems
+
+    with pytest.raises(ValidationError) as info:
+        AppArgs.model_validate({"model": "tiny", "max_num_seqs": "lots", "bogus_key": 1})
+    said = settings_problems(info.value)
+    assert said.startswith("max_num_seqs: Input should be a valid integer"), said
+    assert "bogus_key: Extra inputs are not permitted" in said
+    assert "input_value" not in said and "pydantic.dev" not in said
+    with pytest.raises(ValidationError) as info:
+        AppArgs.model_validate({"model": "tiny", "max_num_seqs": 0})
+    assert settings_problems(info.value) == "max_num_seqs must be an integer in [1, 4096], got 0"
+
+
 def test_flags_reach_the_app_args():
     from cluster.app import AppArgs
     from cluster.serve_local import app_args, parse_args

@@ -327,7 +327,7 @@ def test_make_serve_prints_url_and_a_curl_line_that_streams(sandbox):
     dry = subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True,
                          timeout=30, env=fresh_env)
     assert dry.stdout.splitlines() == [
-        f"{venv}/bin/python -m cluster.serve_local --model 'smollm2-135m' --port {port}"], (
+        f"exec {venv}/bin/python -m cluster.serve_local --model 'smollm2-135m' --port {port}"], (
         dry.stdout + dry.stderr)
     text = substitute(snip, snip.text, r"^make serve\b", shlex.join(["make", *args]))
     fg = Foreground(sandbox, "make-serve", preamble(), text)
