@@ -447,5 +447,16 @@ def _run_app(app_cfg, host: str, port: int, mport: int, has_key: bool,
     return 0
 
 
+def run(argv: list[str] | None = None) -> int:
+    """main(), where a second Ctrl-C (or SIGTERM) during the shutdown ends it at once:
+    a line and exit status 130, not a traceback; the watchdog ends what is left."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        console.warn("stopped before a clean shutdown (a second Ctrl-C or SIGTERM): the "
+                     "watchdog ends Ray's processes within seconds")
+        return 130
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

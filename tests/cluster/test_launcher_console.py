@@ -153,6 +153,18 @@ def test_settings_the_app_refuses_are_named_without_pydantic_echoing_them():
     assert settings_problems(info.value) == "max_num_seqs must be an integer in [1, 4096], got 0"
 
 
+def test_a_second_ctrl_c_ends_the_launcher_in_a_line_not_a_traceback(monkeypatch, capsys):
+    from cluster import serve_local
+
+    def interrupted(argv):
+        raise KeyboardInterrupt  # what the second signal raises (_stop_on_signals)
+
+    monkeypatch.setattr(serve_local, "main", interrupted)
+    assert serve_local.run([]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("warning: stopped before a clean shutdown") and len(err.splitlines()) == 1
+
+
 def test_flags_reach_the_app_args():
     from cluster.app import AppArgs
     from cluster.serve_local import app_args, parse_args
