@@ -39,6 +39,7 @@ from cluster.launcher import console, cpu_layout, preflight, process_reaper
 from cluster.api.access import API_KEY_ENV, check_access, key_digest
 from cluster.launcher.console import curl_line  # noqa: F401 - tests and tools import it from here
 from cluster.engine_args import add_engine_flags, engine_flag_values
+from cluster.transport.ray_internals import gcs_answers
 from cluster.launcher.front_door import (FRONT_DOORS, HAPROXY_BINARY_ENV, HAPROXY_COMMAND,
                                          front_door_env, resolve_front_door)
 
@@ -231,9 +232,25 @@ def _stop_on_signals(stop: threading.Event) -> None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             raise KeyboardInterrupt
+        stop.signum = signum  # read by _drain_serve
         stop.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
+
+
+# NOTE: a SIGTERM sent to the launcher's whole process group (`timeout`, systemd)
+# reaches Ray's GCS too, which then stops answering without exiting; Serve's shutdown
+# would wait out its 30 s for it. After a SIGTERM the launcher first asks the GCS
+# something small, this long at most.
+GCS_PROBE_TIMEOUT_S = 3.0
+
+
+def _drain_serve(stop: threading.Event) -> bool:
+    """Whether Serve's drain can run: always, unless the stop was a SIGTERM that left
+    the GCS without answers."""
+    if getattr(stop, "signum", None) != signal.SIGTERM:
+        return True
+    return gcs_answers(GCS_PROBE_TIMEOUT_S)
 
 
 def _last_line(text: str | None) -> str:
@@ -395,9 +412,14 @@ def _serve(ns, app_cfg, host: str, port: int, mport: int, has_key: bool) -> int:
         status = _run_app(app_cfg, host, port, mport, has_key, stop)
         console.say("Shutting down")
     finally:
-        # Serve first (it drains and stops its replicas), then Ray.
-        with contextlib.suppress(Exception):
-            serve.shutdown()
+        # Serve first (it drains and stops its replicas), then Ray: unless the signal
+        # went to the whole process group and Ray's own processes are gone with it
+        if _drain_serve(stop):
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+        else:
+            console.warn("Ray's GCS does not answer (the SIGTERM went to the whole process "
+                         "group): stopping without draining Serve's replicas")
         ray.shutdown()
     console.say("Stopped")
     return status

@@ -58,6 +58,21 @@ def fulfill_with_chosen_replica(router: Any, replica: Any, request_metadata: Any
     RequestRouter._fulfill_next_pending_request(router, replica, request_metadata)
 
 
+def gcs_answers(timeout_s: float) -> bool:
+    """Whether this driver's Ray GCS answers a small call (the node list) within
+    `timeout_s`. True where that call is not as pinned (the caller goes on as if it
+    answered). Never starts a Ray, as public calls made after `ray.shutdown` do."""
+    from ray._private import worker
+
+    try:
+        worker.global_worker.gcs_client.get_all_node_info(timeout=timeout_s)
+    except (AttributeError, TypeError):
+        return True
+    except Exception:  # RpcError: "Timed out while waiting for GCS to become available"
+        return False
+    return True
+
+
 # For the pin tests: (where, what) of every name above.
 PINNED = (
     ("ray.serve._private.constants", "SERVE_NAMESPACE"),
@@ -66,4 +81,5 @@ PINNED = (
     ("ray.serve.context", "_get_serve_request_context"),
     ("ray.serve.context", "_serve_request_context"),
     ("ray.serve.request_router", "RequestRouter._fulfill_next_pending_request"),
+    ("ray._private.worker", "global_worker"),
 )

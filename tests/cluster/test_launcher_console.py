@@ -165,6 +165,24 @@ def test_a_second_ctrl_c_ends_the_launcher_in_a_line_not_a_traceback(monkeypatch
     assert err.startswith("warning: stopped before a clean shutdown") and len(err.splitlines()) == 1
 
 
+def test_after_a_sigterm_serve_drains_only_if_the_gcs_answers(monkeypatch):
+    """A SIGTERM to the launcher's whole process group (`timeout`, systemd) leaves
+    Ray's GCS without answers: no 30 s wait for Serve's controller then."""
+    import signal
+    import threading
+
+    from cluster import serve_local
+
+    asked = []
+    monkeypatch.setattr(serve_local, "gcs_answers", lambda timeout_s: asked.append(timeout_s))
+    stop = threading.Event()
+    stop.signum = signal.SIGINT  # Ctrl-C: Ray's processes ignore it
+    assert serve_local._drain_serve(stop) and not asked
+    stop.signum = signal.SIGTERM
+    assert not serve_local._drain_serve(stop)
+    assert asked == [serve_local.GCS_PROBE_TIMEOUT_S]
+
+
 def test_flags_reach_the_app_args():
     from cluster.app import AppArgs
     from cluster.serve_local import app_args, parse_args
