@@ -40,6 +40,7 @@ from cluster.api.access import API_KEY_ENV, check_access, key_digest
 from cluster.launcher.console import curl_line  # noqa: F401 - tests and tools import it from here
 from cluster.engine_args import add_engine_flags, engine_flag_values
 from cluster.transport.ray_internals import gcs_answers
+from cluster.launcher.config_file import ConfigError, port_number, positive_int, read_config
 from cluster.launcher.front_door import (FRONT_DOORS, HAPROXY_BINARY_ENV, HAPROXY_COMMAND,
                                          front_door_env, resolve_front_door)
 
@@ -85,28 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def port_number(text: str) -> int:
-    """argparse type: a TCP port a server can bind (1-65535)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number (1-65535)")
-    return port
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
-
-
 def settings_problems(error: ValueError, most: int = 3) -> str:
     """What AppArgs refused, one clause a problem (the key, pydantic's words without
     its echo of every setting and its link)."""
@@ -121,48 +100,9 @@ def settings_problems(error: ValueError, most: int = 3) -> str:
     return "; ".join(parts)
 
 
-class ConfigError(ValueError):
-    """A --config file the launcher cannot read: said in one line, before Ray starts."""
-
-
-def _mapping(value, where: str) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where} must be a mapping, not {type(value).__name__}")
-    return dict(value)
-
-
-def _read_config(path: str) -> tuple[dict, dict]:
-    """(applications[0].args, http_options) of a Serve config file."""
-    import yaml
-
-    try:
-        with open(path) as f:
-            config = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigError(f"{path} is not valid YAML{where}: "
-                          f"{getattr(e, 'problem', None) or e}") from None
-    config = _mapping(config, f"{path}: the file")
-    apps = config.get("applications") or [{}]
-    if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
-        raise ConfigError(f"{path}: applications must be a list of mappings")
-    http = _mapping(config.get("http_options"), f"{path}: http_options")
-    if "port" in http:
-        try:
-            http["port"] = port_number(str(http["port"]))
-        except argparse.ArgumentTypeError as e:
-            raise ConfigError(f"{path}: http_options.port: {e}") from None
-    return _mapping(apps[0].get("args"), f"{path}: applications[0].args"), http
-
-
 def chosen_args(ns: argparse.Namespace) -> tuple[dict, dict]:
     """(AppArgs values, http_options) that the config file and the flags set."""
-    args, http = _read_config(ns.config) if ns.config else ({}, {})
+    args, http = read_config(ns.config) if ns.config else ({}, {})
     flags = {"served_model_name": ns.served_model_name,
              "num_engine_replicas": ns.num_engine_replicas,
              "num_ingress_replicas": ns.num_ingress_replicas,
