@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     front_door, why = resolve_front_door(ns.front_door)
     # NOTE: before Ray starts: Serve reads these once, in every process.
-    os.environ.update(front_door_env(front_door, local=True))
+    door_env = front_door_env(front_door, local=True)
+    os.environ.update(door_env)
     from cluster.app import AppArgs
 
     try:
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if mport is None:
         return status
     console.say(f"Front door: {front_door} ({why})")
-    if front_door == "haproxy" and HAPROXY_BINARY_ENV not in front_door_env(front_door):
+    if front_door == "haproxy" and HAPROXY_BINARY_ENV not in door_env:
         console.warn(f"{HAPROXY_COMMAND} is not installed (pip install the project): HAProxy "
                      "runs with splicing, and a non-streamed request whose client leaves "
                      "may run to its last token (RELIABILITY.md, promise 2)")

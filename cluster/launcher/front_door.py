@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from cluster.launcher.haproxy_without_splice import COMMAND as HAPROXY_COMMAND
-from cluster.launcher.haproxy_without_splice import REAL_BINARY_ENV
+from cluster.launcher.haproxy_without_splice import REAL_BINARY_ENV, is_executable
 
 FRONT_DOORS = ("haproxy", "serve-proxy")
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
@@ -33,10 +33,6 @@ SERVE_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIM
 # change at once and retries refused connections, so a short period is enough.
 LOCAL_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Serve's: the binary it starts
-
-
-def _is_executable(path: str) -> bool:
-    return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
 def _bundled_haproxy() -> str | None:
@@ -55,7 +51,7 @@ def haproxy_available() -> tuple[bool, str]:
     launcher sets them after this."""
     override = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
     if override:
-        if _is_executable(override):
+        if is_executable(override):
             return True, f"RAY_SERVE_HAPROXY_BINARY_PATH={override}"
         return False, f"RAY_SERVE_HAPROXY_BINARY_PATH={override!r} is not an executable file"
     if _bundled_haproxy() is not None:
@@ -81,7 +77,7 @@ def haproxy_command() -> str | None:
     """The installed `stepstream-haproxy` (beside this interpreter, as a virtual
     environment puts it, or on PATH), or None."""
     beside = Path(sys.executable).with_name(HAPROXY_COMMAND)
-    if _is_executable(str(beside)):
+    if is_executable(str(beside)):
         return str(beside)
     return shutil.which(HAPROXY_COMMAND)
 

