@@ -92,21 +92,23 @@ class LocalServer:
             self._log_file = open(self.log_path, "wb")
         out = self._log_file or subprocess.DEVNULL
         LIVE.add(self)
-        for attempt in range(1, START_ATTEMPTS + 1):
+        attempts_left = START_ATTEMPTS
+        while True:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             env=self.env, cwd=self.cwd)
+            attempts_left -= 1
             try:
                 wait_healthy(self.base_url, self.startup_timeout_s, self._check_alive)
                 return self
             except _TryAgain:
-                if attempt == START_ATTEMPTS:
-                    self.stop()
-                    raise
+                if attempts_left:
+                    continue
+                self.stop()
+                raise
             except BaseException:
                 self.stop()
                 raise
-        return self
 
     def _check_alive(self) -> None:
         code = self.process.poll()
