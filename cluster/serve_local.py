@@ -193,6 +193,16 @@ def _drain_serve(stop: threading.Event) -> bool:
     return gcs_answers(GCS_PROBE_TIMEOUT_S)
 
 
+def _stopped_before_serving(stop: threading.Event) -> int:
+    """The exit status of a start that a signal cut short: 128 + the signal, as a
+    shell reports a process the signal ended, so a supervisor (systemd, a script)
+    tells an aborted start from a clean stop after serving (0)."""
+    signum = getattr(stop, "signum", signal.SIGINT)
+    console.warn(f"stopped before serving ({signal.Signals(signum).name}): the app never "
+                 "answered")
+    return 128 + signum
+
+
 def _last_line(text: str | None) -> str:
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
     return lines[-1] if lines else ""
@@ -384,11 +394,11 @@ def _run_app(app_cfg, host: str, port: int, mport: int, has_key: bool,
     base = f"http://{host}:{port}"
     try:
         if stop.is_set():
-            return 0
+            return _stopped_before_serving(stop)
         serve.start(http_options={"host": host, "port": port})
         serve.run(make_app(app_cfg), name=APP_NAME, route_prefix="/", blocking=False)
         if not wait_healthy(base, timeout_s=600, stop=stop, failed=_deploy_failure):
-            return 0
+            return _stopped_before_serving(stop)
     except Exception as e:  # noqa: BLE001 - said in a line; --verbose shows Ray's output
         why = _deploy_failure() or _last_line(str(e)) or type(e).__name__
         console.error(f"the app did not start: {why}", see_logs)

@@ -217,8 +217,12 @@ _STAND_INS = textwrap.dedent("""
     ray.shutdown = lambda: None
     def start(**kw):
         seen["serve_start"] = kw
+        if os.environ.get("SIGNAL_AT_START"):  # Ctrl-C or a SIGTERM while Serve starts
+            os.kill(os.getpid(), int(os.environ["SIGNAL_AT_START"]))
+            return
         raise RuntimeError("Ray's own words\\nFailed to bind to address 127.0.0.1:1")
     serve.start = start
+    serve.run = lambda app, **kw: seen.update(serve_run=kw["name"])
     serve.shutdown = lambda: None
     status = serve_local.main(sys.argv[2:])
     print("RESULT " + json.dumps({"status": status, **seen}))
@@ -243,6 +247,17 @@ def test_ray_giving_up_on_its_own_start_is_a_try_again_not_a_traceback():
         "raylet failed to startup or the GCS has become overloaded."))
     assert seen["status"] == EXIT_TRY_AGAIN and "serve_start" not in seen
     assert "did not register within Ray's fixed 30 s" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("signum, status", [(2, 130), (15, 143)])
+def test_a_signal_before_serving_is_an_aborted_start_not_a_clean_exit(signum, status):
+    """A supervisor (systemd, a script) tells a start cut short (128 + the signal)
+    from a stop after serving (0)."""
+    seen, stderr = _with_stand_ins(0, "--port", str(free_port()), SIGNAL_AT_START=str(signum))
+    assert seen["status"] == status and seen["serve_run"], (seen, stderr)
+    name = {2: "SIGINT", 15: "SIGTERM"}[signum]
+    assert f"warning: stopped before serving ({name})" in stderr, stderr
     assert "Traceback" not in stderr, stderr
 
 
