@@ -40,7 +40,8 @@ from cluster.api.access import API_KEY_ENV, check_access, key_digest
 from cluster.launcher.console import curl_line  # noqa: F401 - tests and tools import it from here
 from cluster.engine_args import add_engine_flags, engine_flag_values
 from cluster.transport.ray_internals import gcs_answers
-from cluster.launcher.config_file import ConfigError, port_number, positive_int, read_config
+from cluster.launcher.config_file import (ConfigError, ServeConfig, port_number, positive_int,
+                                          read_config)
 from cluster.launcher.front_door import (FRONT_DOORS, HAPROXY_BINARY_ENV, HAPROXY_COMMAND,
                                          front_door_env, resolve_front_door)
 
@@ -100,9 +101,13 @@ def settings_problems(error: ValueError, most: int = 3) -> str:
     return "; ".join(parts)
 
 
-def chosen_args(ns: argparse.Namespace) -> tuple[dict, dict]:
-    """(AppArgs values, http_options) that the config file and the flags set."""
-    args, http = read_config(ns.config) if ns.config else ({}, {})
+def chosen_args(ns: argparse.Namespace, config: ServeConfig | None = None
+                ) -> tuple[dict, dict]:
+    """(AppArgs values, http_options) that the config file (`config`, else
+    --config's) and the flags set."""
+    if config is None and ns.config:
+        config = read_config(ns.config)
+    args, http = (dict(config.args), dict(config.http_options)) if config else ({}, {})
     flags = {"served_model_name": ns.served_model_name,
              "num_engine_replicas": ns.num_engine_replicas,
              "num_ingress_replicas": ns.num_ingress_replicas,
@@ -121,10 +126,10 @@ def app_args(ns: argparse.Namespace) -> tuple[dict, str, int]:
     return args, host, port
 
 
-def _app_args_and_layout(ns: argparse.Namespace
+def _app_args_and_layout(ns: argparse.Namespace, config: ServeConfig | None = None
                          ) -> tuple[dict, str, int, cpu_layout.CpuLayout | None]:
     """app_args' values and the CPU layout it applied (None: the user chose)."""
-    args, http = chosen_args(ns)
+    args, http = chosen_args(ns, config)
     layout = cpu_layout.layout_for(args, ray_cpus=ns.num_cpus)
     if layout is not None:
         args.update(layout.app_args())
@@ -280,10 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     if ns.api_key:
         console.warn(f"--api-key shows in the process list; prefer the env var {API_KEY_ENV}")
     try:
-        args, host, port, layout = _app_args_and_layout(ns)
+        config = read_config(ns.config) if ns.config else None
+        args, host, port, layout = _app_args_and_layout(ns, config)
     except ConfigError as e:
         console.error(f"--config: {e}")
         return 2
+    if config is not None and config.unused:
+        console.warn(f"--config: the launcher serves applications[0].args on http_options' "
+                     f"host and port; not applied: {', '.join(config.unused)} (serve run or "
+                     "serve deploy apply the whole file)")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # NOTE: token auth is what Ray picks for a new local instance anyway; set, it is
     # picked without Ray's notice that suggests turning it off.

@@ -136,6 +136,39 @@ def test_a_config_file_the_launcher_cannot_read_is_one_line_before_ray(tmp_path,
     assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+def test_config_settings_the_launcher_does_not_apply_are_named(tmp_path, capsys):
+    """`serve run` applies the whole file; the launcher serves applications[0].args on
+    http_options' host and port, and says what else it leaves."""
+    from cluster import serve_local
+    from cluster.launcher.config_file import read_config
+
+    for shipped in ("configs/serve.yaml", "configs/serve-gpu.yaml"):
+        assert read_config(shipped).unused == [], shipped
+    config = tmp_path / "serve.yaml"
+    config.write_text(textwrap.dedent("""\
+        proxy_location: Disabled
+        logging_config: {log_level: DEBUG}
+        http_options: {host: 127.0.0.1, port: 8123, request_timeout_s: 30}
+        applications:
+          - name: stepstream
+            route_prefix: /llm
+            import_path: cluster.app:build_app
+            runtime_env: {env_vars: {RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S: "2"}}
+            deployments: [{name: Engine, num_replicas: 3}]
+            args: {model: tiny, max_num_seqs: 0}
+          - name: second
+        """))
+    assert read_config(str(config)).unused == [
+        "proxy_location", "logging_config", "http_options.request_timeout_s",
+        "applications[0].route_prefix", "applications[0].deployments", "applications[1:] (1 more)"]
+    # NOTE: max_num_seqs 0 ends it before Ray, after the warning
+    assert serve_local.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("warning: --config: the launcher serves applications[0].args"), err
+    assert "not applied: proxy_location, logging_config, " in err[0], err
+    assert err[1].startswith("error: invalid settings: max_num_seqs"), err
+
+
 def test_settings_the_app_refuses_are_named_without_pydantic_echoing_them():
     from pydantic import ValidationError
 

@@ -312,6 +312,24 @@ def _one_curl() -> Snippet:
 
 # --- way 1: make serve -----------------------------------------------------------
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("make_vars, model_flag", [
+    ([], "--model 'smollm2-135m'"),
+    (["MODEL=tiny"], "--model 'tiny'"),
+    (["SERVE_FLAGS=--config configs/serve.yaml"], ""),  # the config's args.model serves
+    (["MODEL=tiny", "SERVE_FLAGS=--config configs/serve.yaml"], "--model 'tiny'"),
+])
+def test_make_serve_passes_a_model_unless_a_config_names_it(make_vars, model_flag):
+    venv = venv_dir()
+    fresh_env = {k: v for k, v in os.environ.items() if k not in MAKE_VARS}
+    dry = subprocess.run(["make", "-n", f"--old-file={venv}/.installed", "serve", f"VENV={venv}",
+                          *make_vars], cwd=REPO, capture_output=True, text=True, timeout=30,
+                         env=fresh_env)
+    flags = next((v.split("=", 1)[1] for v in make_vars if v.startswith("SERVE_FLAGS=")), "")
+    assert dry.stdout.split() == (f"exec {venv}/bin/python -m cluster.serve_local {model_flag} "
+                                  f"{flags}").split(), dry.stdout + dry.stderr
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
