@@ -4,6 +4,7 @@ vLLM benchmark_serving's flags (loadtests/serving_run.py);
     python -m loadtests.bench compare|http|routing [flags]   # loadtests/serving_matrix.py
     python -m loadtests.bench http-floor [flags]               # loadtests/http_floor.py
     python -m loadtests.bench ingress-chain [flags]            # loadtests/ingress_chain_cost.py
+    python -m loadtests.bench start-beside-busy [flags]        # loadtests/start_beside_busy.py
     python -m loadtests.bench sharegpt-sample [flags]          # rewrites the bundled sample
 """
 from __future__ import annotations
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     if argv[:1] == ["ingress-chain"]:
         from loadtests import ingress_chain_cost
         return ingress_chain_cost.main(argv[1:])
+    if argv[:1] == ["start-beside-busy"]:
+        from loadtests import start_beside_busy
+        return start_beside_busy.main(argv[1:])
     if argv[:1] and argv[0] in MATRIX_MODES:
         from loadtests import serving_matrix
         return serving_matrix.main(argv[0], argv[1:])

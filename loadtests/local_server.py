@@ -67,7 +67,11 @@ class LocalServer:
                  model: str = "tiny", host: str = "127.0.0.1", port: int | None = None,
                  log_path: str | Path | None = None, startup_timeout_s: float = 600.0,
                  stop_timeout_s: float = 30.0, env: dict[str, str] | None = None,
-                 cwd: str | Path | None = None):
+                 cwd: str | Path | None = None, own_session: bool = True):
+        """`own_session` False: the server stays in this process's session (in a
+        process group of its own, which stopping signals). Under the kernel's
+        autogroup scheduling a session shares the CPU as one group, so this is how
+        to run it beside the caller's work rather than beside the caller."""
         self.host, self.port = host, port or free_port(host)
         self.command = [sys.executable, "-m", module, "--model", model, "--host", host,
                         "--port", str(self.port), *server_args]
@@ -76,6 +80,7 @@ class LocalServer:
         self.stop_timeout_s = stop_timeout_s
         self.env = {**os.environ, **env} if env else None  # None: this process's
         self.cwd = cwd  # None: this process's
+        self.own_session = own_session
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -95,7 +100,9 @@ class LocalServer:
         attempts_left = START_ATTEMPTS
         while True:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            stdin=subprocess.DEVNULL,
+                                            start_new_session=self.own_session,
+                                            process_group=None if self.own_session else 0,
                                             env=self.env, cwd=self.cwd)
             attempts_left -= 1
             try:
@@ -119,7 +126,7 @@ class LocalServer:
 
     def _signal_group(self, sig: int) -> None:
         try:
-            os.killpg(self.process.pid, sig)  # pgid == pid: start_new_session=True
+            os.killpg(self.process.pid, sig)  # pgid == pid: a session or a group of its own
         except (ProcessLookupError, PermissionError):
             pass
 

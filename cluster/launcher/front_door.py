@@ -33,6 +33,14 @@ SERVE_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIM
 # change at once and retries refused connections, so a short period is enough.
 LOCAL_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Serve's: the binary it starts
+# NOTE: Serve kills a proxy (HAProxy's manager, or its Python proxy) that is not ready
+# within 5 s, three checks in a row, and `serve.start` then fails ("The actor never
+# ran"). Ray's workers run at nice 15, so on a machine busy with other work the proxy
+# can take longer than that to start: measured on 2 cores beside 4 busy processes,
+# the launcher never served. On one machine a slow proxy is busy, not broken: wait
+# longer for it, and for its later health checks (10 s by default).
+PATIENT_PROXY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+                     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 
 
 def _bundled_haproxy() -> str | None:
@@ -97,9 +105,16 @@ def haproxy_binary_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def front_door_env(front_door: str, local: bool = False) -> dict[str, str]:
-    """The variables that select `front_door` in every Ray process; `local` (one
-    machine, the launcher) also shortens the drain of replicas behind HAProxy."""
+def front_door_env(front_door: str, local: bool = False,
+                   environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables that select `front_door` in every Ray process. `local` (one
+    machine, the launcher) also shortens the drain of replicas behind HAProxy and
+    gives the proxy longer to start and to answer its health checks, unless
+    `environ` (the launcher's own) sets those already."""
+    environ = os.environ if environ is None else environ
+    patient = ({k: v for k, v in PATIENT_PROXY_ENV.items() if k not in environ}
+               if local else {})
     if front_door == "serve-proxy":
-        return dict(SERVE_PROXY_ENV)
-    return {**HAPROXY_ENV, **haproxy_binary_env(), **(LOCAL_DRAIN_ENV if local else {})}
+        return {**SERVE_PROXY_ENV, **patient}
+    return {**HAPROXY_ENV, **haproxy_binary_env(environ),
+            **(LOCAL_DRAIN_ENV if local else {}), **patient}

@@ -61,10 +61,23 @@ def test_each_door_sets_both_variables_explicitly(monkeypatch):
     monkeypatch.setattr(fd, "haproxy_command", lambda: COMMAND)
     monkeypatch.delenv(fd.HAPROXY_BINARY_ENV, raising=False)
     proxy, haproxy = fd.front_door_env("serve-proxy", local=True), fd.front_door_env("haproxy")
-    assert proxy.keys() >= fd.HAPROXY_ENV.keys() and set(proxy.values()) == {"0"}
+    assert {k: proxy[k] for k in fd.HAPROXY_ENV} == dict.fromkeys(fd.HAPROXY_ENV, "0")
     assert haproxy == {**fd.HAPROXY_ENV, fd.HAPROXY_BINARY_ENV: COMMAND}
-    assert fd.front_door_env("haproxy", local=True) == {
-        **fd.HAPROXY_ENV, fd.HAPROXY_BINARY_ENV: COMMAND, **fd.LOCAL_DRAIN_ENV}
+    assert fd.front_door_env("haproxy", local=True, environ={}) == {
+        **fd.HAPROXY_ENV, fd.HAPROXY_BINARY_ENV: COMMAND, **fd.LOCAL_DRAIN_ENV,
+        **fd.PATIENT_PROXY_ENV}
+
+
+def test_the_local_launcher_waits_longer_for_a_busy_proxy_unless_told_otherwise(monkeypatch):
+    """Serve kills a proxy not ready within 5 s (three checks); a busy machine's
+    proxy at nice 15 can need more, and the launcher never served (front_door.py)."""
+    monkeypatch.setattr(fd, "haproxy_command", lambda: COMMAND)
+    ready = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+    for door in fd.FRONT_DOORS:
+        assert float(fd.front_door_env(door, local=True, environ={})[ready]) >= 30
+        assert ready not in fd.front_door_env(door, environ={})  # a cluster's own setting
+        own = fd.front_door_env(door, local=True, environ={ready: "7"})
+        assert ready not in own and "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S" in own
 
 
 def test_serve_starts_stepstream_haproxy_which_runs_the_users_own_binary(monkeypatch):

@@ -245,6 +245,8 @@ _STAND_INS = textwrap.dedent("""
         if os.environ.get("RAY_INIT_RAISES"):  # Ray's own failure, as it words it
             raise Exception(os.environ["RAY_INIT_RAISES"])
         seen.update(init={k: kw.get(k) for k in ("_metrics_export_port", "logging_level")})
+        seen.update(env={k: os.environ.get(k) for k in (
+            "RAY_worker_niceness", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")})
     ray.init = init
     ray.cluster_resources = lambda: {"CPU": 2.0, "GPU": float(sys.argv[1])}
     ray.shutdown = lambda: None
@@ -262,8 +264,11 @@ _STAND_INS = textwrap.dedent("""
 """)
 
 
-def _with_stand_ins(num_gpus_seen: int, *flags: str, **extra_env: str) -> tuple[dict, str]:
-    env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_API_KEY"} | extra_env
+def _with_stand_ins(num_gpus_seen: int, *flags: str, **extra_env: str | None
+                    ) -> tuple[dict, str]:
+    """`extra_env`: a value None takes the variable out of the environment."""
+    env = {k: v for k, v in ({k: v for k, v in os.environ.items() if k != "STEPSTREAM_API_KEY"}
+                             | extra_env).items() if v is not None}
     result = subprocess.run([sys.executable, "-c", _STAND_INS, str(num_gpus_seen), *flags],
                             capture_output=True, text=True, timeout=90, env=env)
     line = next((x for x in result.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -281,6 +286,20 @@ def test_ray_giving_up_on_its_own_start_is_a_try_again_not_a_traceback():
     assert seen["status"] == EXIT_TRY_AGAIN and "serve_start" not in seen
     assert "did not register within Ray's fixed 30 s" in stderr, stderr
     assert "Traceback" not in stderr, stderr
+
+
+def test_ray_runs_the_apps_processes_at_the_launchers_priority_and_waits_for_a_busy_proxy():
+    """Ray's nice 15 and Serve's 5 s proxy readiness: beside other busy work the
+    launcher never served (cluster/serve_local.py, cluster/launcher/front_door.py)."""
+    seen, _ = _with_stand_ins(0, "--port", str(free_port()), RAY_worker_niceness=None,
+                              RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=None)
+    assert seen["env"] == {"RAY_worker_niceness": "0",
+                           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+    # a user's own settings stay
+    seen, _ = _with_stand_ins(0, "--port", str(free_port()), RAY_worker_niceness="10",
+                              RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="9")
+    assert seen["env"] == {"RAY_worker_niceness": "10",
+                           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "9"}
 
 
 @pytest.mark.parametrize("signum, status", [(2, 130), (15, 143)])
