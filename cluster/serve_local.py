@@ -295,11 +295,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"host and port; not applied: {', '.join(config.unused)} (serve run or "
                      "serve deploy apply the whole file)")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # NOTE: Ray starts its workers at nice 15, behind every process at nice 0. Beside
-    # other busy work the app's replicas and its proxy then starve: on 2 cores beside
-    # 2 busy processes the launcher never served (Serve killed its proxy as not ready),
-    # and at nice 0 it served in 25 s. A server's replicas take their fair share; a
-    # RAY_worker_niceness of the user's own stays.
+    # NOTE: Ray starts its workers at nice 15, behind every process at nice 0 in the
+    # same scheduling group (its container, or its session where the kernel groups by
+    # autogroup). Beside busy work there the app's replicas and proxy starve: on 2
+    # cores beside 2 busy processes the launcher never served (Serve killed its proxy
+    # as not ready); at nice 0 it served in 21 s (docs/performance.md). A server's
+    # replicas take their fair share; a RAY_worker_niceness of the user's own stays.
     os.environ.setdefault("RAY_worker_niceness", "0")
     # NOTE: token auth is what Ray picks for a new local instance anyway; set, it is
     # picked without Ray's notice that suggests turning it off.

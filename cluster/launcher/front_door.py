@@ -35,9 +35,8 @@ LOCAL_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Serve's: the binary it starts
 # NOTE: Serve kills a proxy (HAProxy's manager, or its Python proxy) that is not ready
 # within 5 s, three checks in a row, and `serve.start` then fails ("The actor never
-# ran"). Ray's workers run at nice 15, so on a machine busy with other work the proxy
-# can take longer than that to start: measured on 2 cores beside 4 busy processes,
-# the launcher never served. On one machine a slow proxy is busy, not broken: wait
+# ran"). On a machine busy with other work the proxy can take longer than that to
+# start (docs/performance.md). On one machine a slow proxy is busy, not broken: wait
 # longer for it, and for its later health checks (10 s by default).
 PATIENT_PROXY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
                      "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
