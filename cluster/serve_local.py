@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -39,7 +40,7 @@ from cluster.launcher import console, cpu_layout, preflight, process_reaper
 from cluster.api.access import API_KEY_ENV, check_access, key_digest
 from cluster.launcher.console import curl_line  # noqa: F401 - tests and tools import it from here
 from cluster.engine_args import add_engine_flags, engine_flag_values
-from cluster.transport.ray_internals import gcs_answers
+from cluster.transport.ray_internals import gcs_answers, haproxy_node_dirs
 from cluster.launcher.config_file import (ConfigError, ServeConfig, port_number, positive_int,
                                           read_config)
 from cluster.launcher.front_door import (FRONT_DOORS, HAPROXY_BINARY_ENV, HAPROXY_COMMAND,
@@ -208,6 +209,14 @@ def _stopped_before_serving(stop: threading.Event) -> int:
     return 128 + signum
 
 
+def _remove_haproxy_files(node_id: str) -> None:
+    """Serve leaves its HAProxy's config, sockets and state in a folder per Ray node
+    (/tmp/haproxy-serve/<node id>); each start of the launcher is a new node, so
+    without this every `make serve` would leave one more."""
+    for path in haproxy_node_dirs(node_id):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _last_line(text: str | None) -> str:
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
     return lines[-1] if lines else ""
@@ -372,6 +381,7 @@ def _serve(ns, app_cfg, host: str, port: int, mport: int, has_key: bool) -> int:
         return console.EXIT_TRY_AGAIN
     # NOTE: again: ray.init installs its own SIGTERM handler (sys.exit(15)).
     _stop_on_signals(stop)
+    node_id = ray.get_runtime_context().get_node_id()
     if reaper is not None and reaper.poll() is not None:
         console.warn("the watchdog that ends Ray's processes if this launcher dies did not "
                      f"start (exit {reaper.returncode}); a SIGKILL may leave them running")
@@ -389,6 +399,7 @@ def _serve(ns, app_cfg, host: str, port: int, mport: int, has_key: bool) -> int:
             console.warn("Ray's GCS does not answer (the SIGTERM went to the whole process "
                          "group): stopping without draining Serve's replicas")
         ray.shutdown()
+        _remove_haproxy_files(node_id)
     console.say("Stopped")
     return status
 

@@ -10,6 +10,7 @@ after this module's tests pass on it.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 RAY_VERSION = "2.60.0"
@@ -73,6 +74,22 @@ def gcs_answers(timeout_s: float) -> bool:
     return True
 
 
+# Serve's HAProxy paths; it writes each under a folder of the node's id.
+_HAPROXY_PATHS = ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
+                  "RAY_SERVE_HAPROXY_SERVER_STATE_FILE", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH")
+
+
+def haproxy_node_dirs(node_id: str) -> set[str]:
+    """The folders Serve's HAProxy manager writes for the node `node_id` (its config,
+    sockets, server state), which Serve leaves behind when it stops."""
+    from ray.serve._private import constants
+
+    dirs = {os.path.join(os.path.dirname(getattr(constants, name)), node_id)
+            for name in _HAPROXY_PATHS}
+    dirs.add(os.path.join(constants.RAY_SERVE_HAPROXY_SERVER_STATE_BASE, node_id))
+    return dirs
+
+
 # For the pin tests: (where, what) of every name above.
 PINNED = (
     ("ray.serve._private.constants", "SERVE_NAMESPACE"),
@@ -82,4 +99,6 @@ PINNED = (
     ("ray.serve.context", "_serve_request_context"),
     ("ray.serve.request_router", "RequestRouter._fulfill_next_pending_request"),
     ("ray._private.worker", "global_worker"),
+    *(("ray.serve._private.constants", name) for name in _HAPROXY_PATHS),
+    ("ray.serve._private.constants", "RAY_SERVE_HAPROXY_SERVER_STATE_BASE"),
 )

@@ -250,6 +250,7 @@ _STAND_INS = textwrap.dedent("""
     ray.init = init
     ray.cluster_resources = lambda: {"CPU": 2.0, "GPU": float(sys.argv[1])}
     ray.shutdown = lambda: None
+    ray.get_runtime_context = lambda: type("Context", (), {"get_node_id": lambda self: "0" * 56})()
     def start(**kw):
         seen["serve_start"] = kw
         if os.environ.get("SIGNAL_AT_START"):  # Ctrl-C or a SIGTERM while Serve starts

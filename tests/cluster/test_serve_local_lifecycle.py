@@ -70,13 +70,28 @@ def _names(pids) -> list[str]:
     return list(_named(pids).values())
 
 
+def _haproxy_config_dir(pids) -> str:
+    """The folder of the config file the running HAProxy reads (`-f PATH`)."""
+    from cluster.launcher.process_table import cmdline
+
+    for pid in pids:
+        args = (cmdline(pid) or "").split()
+        if "-f" in args and args[0].endswith("haproxy"):
+            return os.path.dirname(args[args.index("-f") + 1])
+    raise AssertionError(f"no HAProxy among {_names(pids)}")
+
+
 def test_sigterm_shuts_serve_then_ray_down_and_exits_0(tmp_path):
     proc, log = _start(tmp_path, free_port())
     try:
         started = descendants(proc.pid)
         assert any("EngineReplica" in n for n in _names(started)), _names(started)
+        haproxy_dir = _haproxy_config_dir(started)
+        assert os.path.isdir(haproxy_dir), haproxy_dir
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, log.read_text()[-3000:]
+        # Serve leaves its HAProxy's folder (one per Ray node, so one per start)
+        assert not os.path.exists(haproxy_dir), "the launcher left HAProxy's files"
         text = log.read_text()
         assert text.index("Shutting down") < text.index("Stopped")
         assert "No API key" in text  # no key: loopback only, with a warning
