@@ -136,7 +136,19 @@ def test_a_config_file_the_launcher_cannot_read_is_one_line_before_ray(tmp_path,
     assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
-def test_config_settings_the_launcher_does_not_apply_are_named(tmp_path, capsys):
+@pytest.fixture
+def environ_restored():
+    """main() sets Ray's and Serve's variables in its own environment before Ray
+    starts; run in this process, they must not reach a Ray a later test starts here
+    (a GCS with RAY_AUTH_MODE=token refuses a driver that read it as disabled)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_config_settings_the_launcher_does_not_apply_are_named(tmp_path, capsys,
+                                                               environ_restored):
     """`serve run` applies the whole file; the launcher serves applications[0].args on
     http_options' host and port, and says what else it leaves."""
     from cluster import serve_local
