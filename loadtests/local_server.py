@@ -102,7 +102,8 @@ class LocalServer:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL,
                                             start_new_session=self.own_session,
-                                            process_group=None if self.own_session else 0,
+                                            # NOTE: Popen's process_group needs 3.11
+                                            preexec_fn=None if self.own_session else os.setpgrp,
                                             env=self.env, cwd=self.cwd)
             attempts_left -= 1
             try:
