@@ -6,9 +6,10 @@ variant (a set of environment variables for the launcher), alternating; prints t
 seconds to "Serving at", or how the start failed. Every loop and server is stopped
 at the end.
 
-The same session matters: where the kernel schedules by autogroup (most desktop and
-server kernels, outside containers), each session shares the CPU as one group, and
-niceness counts only within it. A container's processes (one cgroup) and one
+The same session matters: where the kernel schedules by autogroup (common on Linux
+distributions, and this machine's; /proc/sys/kernel/sched_autogroup_enabled), each
+session outside a container shares the CPU as one group, and niceness counts only
+within it. A container's processes (one cgroup) and one
 terminal's jobs compete this way; a launcher in a terminal of its own does not.
 
     python -m loadtests.bench start-beside-busy --busy 2 --variant default= \\
