@@ -149,6 +149,14 @@ def _use_key(args: dict, key: str | None) -> None:
     args["api_key_sha256"] = key_digest(key).hex()
 
 
+def answers_health(base: str, timeout_s: float) -> bool:
+    """Whether GET /health answers 200 now."""
+    with contextlib.suppress(urllib.error.URLError, OSError):
+        with urllib.request.urlopen(base + "/health", timeout=timeout_s) as r:
+            return r.status == 200
+    return False
+
+
 def wait_healthy(base: str, timeout_s: float, stop: threading.Event | None = None,
                  failed=None) -> bool:
     """True once /health answers 200; False if `stop` is set first. `failed()`
@@ -158,10 +166,8 @@ def wait_healthy(base: str, timeout_s: float, stop: threading.Event | None = Non
     while time.monotonic() < deadline:
         if stop is not None and stop.is_set():
             return False
-        with contextlib.suppress(urllib.error.URLError, OSError):
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return True
+        if answers_health(base, timeout_s=5):
+            return True
         if failed is not None and time.monotonic() >= next_check:
             why = failed()
             if why:
@@ -426,6 +432,11 @@ def _run_app(app_cfg, host: str, port: int, mport: int, has_key: bool,
         serve.start(http_options={"host": host, "port": port})
         serve.run(make_app(app_cfg), name=APP_NAME, route_prefix="/", blocking=False)
         if not wait_healthy(base, timeout_s=600, stop=stop, failed=_deploy_failure):
+            # NOTE: the app may have answered others before this loop saw it (its
+            # check of Serve's status can take seconds on a busy machine): a stop
+            # then ends a server that served, as after "Serving at"
+            if answers_health(base, timeout_s=2):
+                return 0
             return _stopped_before_serving(stop)
     except Exception as e:  # noqa: BLE001 - said in a line; --verbose shows Ray's output
         why = _deploy_failure() or _last_line(str(e)) or type(e).__name__

@@ -265,6 +265,17 @@ _STAND_INS = textwrap.dedent("""
     ray.get_runtime_context = lambda: type("Context", (), {"get_node_id": lambda self: "0" * 56})()
     def start(**kw):
         seen["serve_start"] = kw
+        if os.environ.get("HEALTHY_AT_START"):  # the app answers /health at once
+            import http.server, threading
+            class Health(http.server.BaseHTTPRequestHandler):
+                def do_GET(self):
+                    self.send_response(200 if self.path == "/health" else 404)
+                    self.end_headers()
+                def log_message(self, *args):
+                    pass
+            port = kw["http_options"]["port"]
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
         if os.environ.get("SIGNAL_AT_START"):  # Ctrl-C or a SIGTERM while Serve starts
             os.kill(os.getpid(), int(os.environ["SIGNAL_AT_START"]))
             return
@@ -324,6 +335,15 @@ def test_a_signal_before_serving_is_an_aborted_start_not_a_clean_exit(signum, st
     name = {2: "SIGINT", 15: "SIGTERM"}[signum]
     assert f"warning: stopped before serving ({name})" in stderr, stderr
     assert "Traceback" not in stderr, stderr
+
+
+def test_a_signal_once_the_app_answers_is_a_clean_stop_though_serving_at_was_not_said():
+    """The app can answer (others saw /health 200) before the launcher's own check
+    of it ends: a stop then is a stop after serving."""
+    seen, stderr = _with_stand_ins(0, "--port", str(free_port()), SIGNAL_AT_START="2",
+                                   HEALTHY_AT_START="1")
+    assert seen["status"] == 0, (seen, stderr)
+    assert "stopped before serving" not in stderr, stderr
 
 
 def test_metrics_port_reaches_ray_and_too_few_gpus_is_said_plainly():
