@@ -10,10 +10,9 @@ SERVE_FLAGS ?=
 # otherwise (make serve MODEL=tiny: random weights, fast); `make serve-gpu
 # MODEL=/path/to/checkpoint` needs one (a local Hugging Face directory or .gguf file)
 MODEL ?=
-SERVE_MODEL = $(or $(MODEL),smollm2-135m)
 # make serve's --model: MODEL's; else the trained preset, unless SERVE_FLAGS names a
 # --config (whose args.model serves then: a --model would override it)
-SERVE_MODEL_FLAG = $(if $(MODEL),--model '$(MODEL)',$(if $(findstring --config,$(SERVE_FLAGS)),,--model '$(SERVE_MODEL)'))
+SERVE_MODEL = $(or $(MODEL),$(if $(findstring --config,$(SERVE_FLAGS)),,smollm2-135m))
 # Where torch comes from. It installs first and alone, so that nothing later pulls
 # another build: the CPU build from PyTorch's CPU index (on PyPI, torch for Linux is
 # the CUDA build, several GB); TORCH_INDEX= (empty) uses pip's configured index.
@@ -61,7 +60,7 @@ install-gpu: $(GPU_STAMP)
 # NOTE: exec: the launcher replaces make's shell, so one process answers to
 # `pgrep -f cluster.serve_local` (bench --server-pid) and gets signals directly.
 serve: $(STAMP)
-	exec $(PY) -m cluster.serve_local $(SERVE_MODEL_FLAG) $(SERVE_FLAGS)
+	exec $(PY) -m cluster.serve_local $(if $(SERVE_MODEL),--model '$(SERVE_MODEL)') $(SERVE_FLAGS)
 
 # One GPU, one command: the engine replica gets the GPU (its device is cuda).
 serve-gpu: $(GPU_STAMP)
