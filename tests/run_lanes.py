@@ -1,9 +1,8 @@
 """`make test`: the whole suite as three pytest processes at once:
 
 - "no Ray": every test that starts no Ray (torch work mostly), at a lower CPU
-  priority (nice 10), then the few tests that start a Ray of their own, in the pytest
-  process or a launcher's that binds no fixed port (marker `own_ray`), which this
-  lane has the time for;
+  priority (nice 10), then the few tests that start a Ray of their own in the pytest
+  process (marker `own_ray`), which this lane has the time for;
 - "Ray": every test that runs Ray in the pytest process (one local Ray that
   consecutive modules share, or `ray.cluster_utils` nodes), one module after
   another;

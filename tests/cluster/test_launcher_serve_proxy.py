@@ -13,9 +13,7 @@ import pytest
 from loadtests.local_server import LocalServer
 from loadtests.openai_stream import StreamParser
 
-# NOTE: Serve's proxy binds only the port it is given (no HAProxy, no fixed port), so
-# this runs beside the front-door lane, at the end of the lane without Ray
-pytestmark = [pytest.mark.ray, pytest.mark.own_ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.front_door, pytest.mark.timeout(600)]
 
 BODY = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
         "ignore_eos": True}
