@@ -52,6 +52,7 @@ _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|desel
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S.*?)(?: - .*)?$")
 MAX_RUN_ALONE = 8
 LANE_PIDS_FILE_ENV = "STEPSTREAM_LANE_PIDS_FILE"  # read by tests/reliability_support.py
+RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"  # added to the niceness of Ray's starter
 
 
 def _counts(log: str) -> dict[str, int]:
@@ -84,6 +85,10 @@ def main(argv: list[str]) -> int:
               "yourself (make test-serial TEST_FLAGS=...) to choose by marker", file=sys.stderr)
         return 2
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    # NOTE: Ray starts its workers 15 nicer than the process that starts it: the Ray
+    # lane's replicas would run behind the niced lane's torch work, the reverse of the
+    # order above. With 0 each lane's Ray workers run at that lane's own priority.
+    env[RAY_WORKER_NICENESS_ENV] = "0"
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="stepstream-lanes-") as tmp:
         runs = {}

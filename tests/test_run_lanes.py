@@ -61,8 +61,16 @@ def test_failed_tests_are_read_from_pytests_summary_lines():
                                             "tests/b.py::test_y", "tests/a.py::test_z"]
 
 
-def test_a_test_that_passes_alone_is_counted_passed_and_named(two_lanes, tmp_path, capsys):
-    argv = _suite(tmp_path, SUITE.format(last="def test_other():\n    pass"))
+NICENESS_SEEN = """def test_other():
+    path = pathlib.Path(os.environ["LANES_TMP"]) / "worker-niceness-seen"
+    path.write_text(os.environ.get("RAY_worker_niceness", "unset"))"""
+
+
+def test_a_test_that_passes_alone_is_counted_passed_and_named(two_lanes, tmp_path, capsys,
+                                                             monkeypatch):
+    # Ray's default for its workers: 15 nicer than the lane that starts them
+    monkeypatch.setenv("RAY_worker_niceness", "15")
+    argv = _suite(tmp_path, SUITE.format(last=NICENESS_SEEN))
     assert run_lanes.main(argv) == 0
     out = capsys.readouterr().out
     lines = out.rstrip().splitlines()
@@ -73,6 +81,8 @@ def test_a_test_that_passes_alone_is_counted_passed_and_named(two_lanes, tmp_pat
     own_pid, pids = (tmp_path / "lanes-seen-first").read_text().split(":")
     assert own_pid in pids.split() and len(pids.split()) == 2
     assert (tmp_path / "lanes-seen-again").read_text().split(":")[1] == "absent"
+    # each lane's Ray workers run at the lane's own priority, not 15 below it
+    assert (tmp_path / "worker-niceness-seen").read_text() == "0"
 
 
 def test_a_test_that_fails_alone_too_fails_the_suite(two_lanes, tmp_path, capsys):
