@@ -10,10 +10,10 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     # The modules that share one local Ray (and Serve on it) run first, one after
     # another, so it starts once; then the rest; those that start a Ray of their own in
-    # this process last (in `make test` the lane without Ray: by then the Ray lanes
-    # are ending). A test that slows the machine on purpose goes last in its lane:
-    # its bounds hold for the load it makes, and the other lanes beside it at their
-    # busiest stretched a first token past them (their load is not its to bound).
+    # this process last (in `make test` the Ray lane's, once its shared Ray is down).
+    # A test that slows the machine on purpose goes last in its lane: its bounds hold
+    # for the load it makes, and the other lanes beside it at their busiest stretched
+    # a first token past them (their load is not its to bound).
     items.sort(key=lambda item: (item.get_closest_marker("shared_ray") is None,
                                  item.get_closest_marker("own_ray") is not None,
                                  item.get_closest_marker("slows_the_machine") is not None))

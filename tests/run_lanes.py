@@ -1,11 +1,11 @@
 """`make test`: the whole suite as three pytest processes at once:
 
 - "no Ray": every test that starts no Ray (torch work mostly), at a lower CPU
-  priority (nice 10), then the few tests that start a Ray of their own in the pytest
-  process (marker `own_ray`), which this lane has the time for;
+  priority (nice 10);
 - "Ray": every test that runs Ray in the pytest process (one local Ray that
   consecutive modules share, or `ray.cluster_utils` nodes), one module after
-  another;
+  another, then the few that start a Ray of their own in the pytest process (marker
+  `own_ray`), which this lane has the time for;
 - "front door": every test that starts Ray in a process of its own (the launcher,
   a docs shell running `ray start`): HAProxy binds fixed ports (its stats and
   metrics pages), so these run one after another too (marker `front_door`).
@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 # name -> (pytest marker expression, niceness)
-LANES = {"no Ray": ("not ray or own_ray", 10), "Ray": ("ray and not front_door and not own_ray", 0),
+LANES = {"no Ray": ("not ray", 10), "Ray": ("ray and not front_door", 0),
          "front door": ("ray and front_door", 0)}
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 # pytest's short summary: "FAILED tests/x.py::test_y[a b] - AssertionError: ..."
