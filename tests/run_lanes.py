@@ -13,7 +13,8 @@
 Why: the Ray tests spend most of their time waiting (Serve's drains, delays, health
 checks, first tokens) while the machine sits idle; two Ray lanes wait side by side
 and the torch lane uses what they leave. The lane without Ray runs niced: CPU it
-took from the Ray lanes would stretch their waits. The Ray lanes' Ray instances
+took from the Ray lanes would stretch their waits (and Ray's workers run at their
+lane's priority, not the 15 nicer Ray starts them at). The Ray lanes' Ray instances
 share nothing: the in-process one picks free ports, the launchers and docs shells
 their own (and a docs shell's `ray stop` sees only its own PID namespace).
 
