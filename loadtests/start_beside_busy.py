@@ -27,21 +27,21 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtests import serving_matrix
 from loadtests.local_server import LocalServer
 
 BUSY_LOOP = "while True: pass"
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
-    """'NAME=K=V K2=V2' -> (NAME, {K: V, K2: V2}); 'NAME=' is the launcher as it is."""
-    name, _, assignments = text.partition("=")
-    env = {}
-    for item in assignments.split():
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE")
-        env[key] = value
-    return name, env
+    """'NAME=K=V K2=V2' -> (NAME, {K: V, K2: V2}); 'NAME=' is the launcher as it is.
+    The HTTP matrix's variants, environment only: the launcher starts with its
+    defaults, from this checkout."""
+    server = serving_matrix.parse_variant(text)
+    extra = ([f"@{server.tree}"] if server.tree else []) + list(server.flags)
+    if extra:
+        raise argparse.ArgumentTypeError(f"{extra[0]!r} is not KEY=VALUE")
+    return server.name, dict(server.env)
 
 
 def start_seconds(model: str, env: dict[str, str], timeout_s: float, log: Path,
