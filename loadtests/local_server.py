@@ -52,6 +52,19 @@ def wait_healthy(base_url: str, timeout_s: float, check_alive=lambda: None) -> N
     raise TimeoutError(f"{base_url} not healthy after {timeout_s:g}s")
 
 
+def set_session_nice(pid: int, nice: int) -> bool:
+    """Sets the autogroup niceness of `pid`'s session (Linux with autogroup
+    scheduling; raising it needs no privilege). False where there is none.
+    NOTE: the process has exec'd when Popen returns, so its session exists, and
+    everything it starts later inherits the session's group."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+        return True
+    except OSError:
+        return False
+
+
 def _stop_all_at_exit() -> None:
     for server in list(LIVE):
         server.stop()
@@ -67,11 +80,18 @@ class LocalServer:
                  model: str = "tiny", host: str = "127.0.0.1", port: int | None = None,
                  log_path: str | Path | None = None, startup_timeout_s: float = 600.0,
                  stop_timeout_s: float = 30.0, env: dict[str, str] | None = None,
-                 cwd: str | Path | None = None, own_session: bool = True):
+                 cwd: str | Path | None = None, own_session: bool = True,
+                 session_nice: int = 0):
         """`own_session` False: the server stays in this process's session (in a
         process group of its own, which stopping signals). Under the kernel's
         autogroup scheduling a session shares the CPU as one group, so this is how
-        to run it beside the caller's work rather than beside the caller."""
+        to run it beside the caller's work rather than beside the caller.
+
+        `session_nice` > 0 (with `own_session`): the server's session, as one
+        autogroup, yields the CPU to this process's session when both want it, so a
+        benchmark client on the same cores reads each event when it arrives, as a
+        client on another machine would (loadtests/client_wait.py says why). The
+        server still gets every cycle the client does not use."""
         self.host, self.port = host, port or free_port(host)
         self.command = [sys.executable, "-m", module, "--model", model, "--host", host,
                         "--port", str(self.port), *server_args]
@@ -81,6 +101,7 @@ class LocalServer:
         self.env = {**os.environ, **env} if env else None  # None: this process's
         self.cwd = cwd  # None: this process's
         self.own_session = own_session
+        self.session_nice = session_nice
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -105,6 +126,8 @@ class LocalServer:
                                             # NOTE: Popen's process_group needs 3.11
                                             preexec_fn=None if self.own_session else os.setpgrp,
                                             env=self.env, cwd=self.cwd)
+            if self.own_session and self.session_nice:
+                set_session_nice(self.process.pid, self.session_nice)
             attempts_left -= 1
             try:
                 wait_healthy(self.base_url, self.startup_timeout_s, self._check_alive)

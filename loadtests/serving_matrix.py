@@ -104,7 +104,7 @@ def _start(server: Server, args, result_dir: Path):
     log = result_dir / f"server-{server.name.replace(' ', '-')}.log"
     with LocalServer(flags, module=args.launcher, model=args.model, log_path=log,
                      startup_timeout_s=args.startup_timeout, env=dict(server.env) or None,
-                     cwd=server.tree) as srv:
+                     cwd=server.tree, session_nice=args.server_session_nice) as srv:
         print(f"\n[{server.name}] {shlex.join(srv.command[1:])}", flush=True)
         yield srv.base_url, srv.process.pid, None
 
@@ -141,10 +141,19 @@ COLUMNS = [("output_throughput", "out tok/s", ".2f"), ("median_tpot_ms", "TPOT m
            ("p99_tpot_ms", "TPOT p99 ms", ".2f"), ("median_itl_ms", "ITL med ms", ".2f"),
            ("p99_itl_ms", "ITL p99 ms", ".2f"), ("median_ttft_ms", "TTFT med ms", ".2f"),
            ("mean_tokens_per_chunk", "tok/chunk", ".2f")]
+# NOTE: shown, not plotted: how much of the run the client waited for a CPU; a large
+# share means the row's ITL and TTFT include the client's own wait.
+CLIENT_WAIT = ("client_cpu_wait_share", "client CPU wait", ".1%")
 RATIOS = [("output_throughput", "tok/s x"), ("median_tpot_ms", "TPOT x"),
           ("median_itl_ms", "ITL x"), ("median_ttft_ms", "TTFT x")]
 DEFAULT_VARIANTS = ("default=", "serve proxy=--front-door serve-proxy")
 POLICIES = {"by load": 0, "prefix-aware": 256}  # prefix_routing_tokens
+# NOTE: the servers this starts share the cores with the client. At an even share a
+# saturated server's session kept the client off the CPU for up to seconds, and its
+# per-step events arrived in bursts (median ITL 0.01 ms; loadtests/client_wait.py).
+# At 5 the client's session outweighs the server's 3:1 when both want a core; it
+# wants ~10% of one, so the server loses only what the client uses anyway.
+SERVER_SESSION_NICE = 5
 
 
 def compare_rows(args) -> list[Row]:
@@ -167,7 +176,7 @@ def compare_table(rows: dict[str, dict], baseline: str) -> str:
         shown[name] = {**row, "ok": f"{row.get('completed', 0)}/{row.get('completed', 0) + row.get('failed', 0)}"}
         if not row.get("stream", True):
             shown[name].update({k: None for k, _, _ in COLUMNS if "tpot" in k or "itl" in k})
-    columns = [("ok", "ok", "")] + COLUMNS
+    columns = [("ok", "ok", "")] + COLUMNS + [CLIENT_WAIT]
     return format_table(shown, columns, name_header="config", baseline=baseline,
                         ratio_columns=RATIOS)
 
@@ -229,7 +238,8 @@ def report_http(rows: dict[str, dict], args, result_dir: Path) -> dict:
     print(f"\n{args.model}, {args.num_prompts} prompts, {args.random_input_len} in / "
           f"{args.random_output_len} out, streaming; medians of {args.repeats} round(s)")
     print(format_table(rows, [c for c in COLUMNS if c[0] != "p99_tpot_ms"]
-                       + [("x_offline", "tok/s x offline", ".2f"), ("failed", "failed", "g")]))
+                       + [("x_offline", "tok/s x offline", ".2f"), ("failed", "failed", "g"),
+                          CLIENT_WAIT]))
     print("\nCPU us per output token")
     print(format_table({n: r for n, r in rows.items() if "cpu_us server" in r},
                        [(f"cpu_us {role}", role, ".1f") for role in (*ROLES, "server", "front door + ingress")]))
@@ -290,6 +300,10 @@ def make_preset_parser(preset: str):
                    help="server module (tests: loadtests.fake_server)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--max-num-seqs", type=int, default=None, help="passed to every launched server")
+    p.add_argument("--server-session-nice", type=int, default=SERVER_SESSION_NICE,
+                   help="autogroup niceness of each launched server's session (Linux): the "
+                        "client on the same cores then reads events as they arrive; 0 "
+                        "shares the CPU evenly between the two sessions")
     if preset == "compare":
         p.add_argument("--configs", default=",".join(RELEASE_ROWS),
                        type=lambda s: [c.strip() for c in s.split(",") if c.strip()],

@@ -23,6 +23,7 @@ from tqdm.asyncio import tqdm
 from loadtests import datasets
 from loadtests.client import RequestRecord, RequestSpec, failed_record, send_request
 from loadtests.metrics import format_cpu_block, format_result_block, summarize
+from loadtests.client_wait import ClientWait, warning as client_wait_warning
 from loadtests.process_cpu import ProcessCpu, per_token_us
 from loadtests.openai_stream import COMPLETIONS, CHAT_COMPLETIONS, join_url
 
@@ -209,7 +210,9 @@ async def run_benchmark(args_or_config) -> dict:
         if cfg.ready_check_timeout_sec > 0:
             await _initial_test(session, spec, requests[0], cfg.ready_check_timeout_sec)
         cpu = ProcessCpu(cfg.server_pid).start() if cfg.server_pid else None
+        client_wait = ClientWait().start()
         records, start, duration = await _run_all(session, spec, cfg, requests)
+        waited = client_wait.take()
         cpu_seconds = cpu.take() if cpu is not None else {}
     for rec in records:
         rec.resolve_output_tokens(tokenizer)
@@ -223,7 +226,7 @@ async def run_benchmark(args_or_config) -> dict:
         "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency,
         "stream": spec.stream, "ignore_eos": cfg.ignore_eos, "temperature": cfg.temperature,
         **summary.to_dict(),
-        "cpu_seconds_by_role": cpu_seconds, "cpu_us_per_output_token": cpu_us,
+        "cpu_seconds_by_role": cpu_seconds, "cpu_us_per_output_token": cpu_us, **waited,
         "errors": sorted({r.timeline.error for r in records if r.timeline.error}),
         "requests": [r.to_json(start) for r in records],
     }
@@ -231,6 +234,9 @@ async def run_benchmark(args_or_config) -> dict:
         print(format_result_block(summary), flush=True)
         if cpu_us:
             print(format_cpu_block(cpu_us), flush=True)
+    late = client_wait_warning(waited, cfg.server_pid)
+    if late:
+        print(late, flush=True)
     _write_outputs(cfg, result)
     return result
 

@@ -49,6 +49,8 @@ def test_every_request_succeeds_and_totals_match_the_server_usage(tmp_path, caps
     # per-window release: 10 tokens as chunks of 4, 4, 2 -> 3 chunks and 2 ITL gaps each
     assert all(r["num_chunks"] == 3 and len(r["itl_ms"]) == 2 for r in saved["requests"])
     assert result["mean_tokens_per_chunk"] == pytest.approx(10 / 3)
+    # the client's own wait for a CPU is part of every result (loadtests/client_wait.py)
+    assert saved["client_longest_loop_stall_ms"] >= 0.0 and "client_cpu_wait_share" in saved
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
