@@ -9,7 +9,9 @@ reads seconds. Neither is the server's doing. `ClientWait` measures that wait fr
 the client's side so a result can say when its latencies are not the server's:
 - the run-queue wait of the client's event-loop thread (Linux `/proc/self/task/<tid>/schedstat`:
   time runnable but not running);
-- the longest stall of the client's event loop, from a 10 ms timer task (any OS).
+- the longest stall of the client's event loop, from a 10 ms timer task (any OS),
+  and each stall's times, so that a reader can take its own stalls out of the gaps
+  it timed (`stalled_within`; the burst test does).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 TICK_S = 0.01
+STALL_KEPT_S = 0.05  # stalls kept with their times (stalled_within)
 # NOTE: a result is flagged when the client waited for a CPU this share of the run,
 # or its loop stalled this long: a stall past a step's time merges steps' events.
 WAIT_SHARE_FLAG = 0.05
@@ -42,6 +45,9 @@ class ClientWait:
     _wait_before: float | None = None
     _longest_stall_s: float = 0.0
     _ticker: asyncio.Task | None = field(default=None, repr=False)
+    # (from, to) on time.monotonic() of each stall past STALL_KEPT_S: when the loop
+    # should have ticked and when it did
+    stalls: list[tuple[float, float]] = field(default_factory=list)
 
     def start(self) -> "ClientWait":
         self._started_at = time.monotonic()
@@ -54,8 +60,16 @@ class ClientWait:
         while True:
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
-            self._longest_stall_s = max(self._longest_stall_s, now - last - TICK_S)
+            stall = now - last - TICK_S
+            self._longest_stall_s = max(self._longest_stall_s, stall)
+            if stall > STALL_KEPT_S:
+                self.stalls.append((last + TICK_S, now))
             last = now
+
+    def stalled_within(self, start: float, end: float) -> float:
+        """Seconds of [start, end] (time.monotonic()) this loop was stalled: the
+        part of a gap between two events that was the reader's own."""
+        return sum(max(0.0, min(end, to) - max(start, since)) for since, to in self.stalls)
 
     def take(self) -> dict:
         """{"client_cpu_wait_s", "client_cpu_wait_share" (None off Linux),

@@ -35,6 +35,7 @@ import httpx
 import pytest
 import yaml
 
+from loadtests.client_wait import ClientWait
 from loadtests.local_server import LocalServer, free_port
 from reliability_support import busy_core, stream_request
 
@@ -50,10 +51,11 @@ APP_ARGS = {"model": MODEL, "num_engine_replicas": NUM_ENGINE_REPLICAS, "engine_
             "num_kv_blocks": 512, "max_model_len": 2048, "num_scheduler_steps": 4,
             "queue_timeout_s": QUEUE_TIMEOUT_S}
 BURST_FACTOR = 50  # requests per admission slot of the engines
-# NOTE: a stall shorter than the queue timeout at the reference pace (below): at the
-# burst's peak a running stream stalled 3-4.6 s here (the intake of 800 connections
-# shares the ingress's loop), so the stall grows with the machine's pace as the
-# intake does: beside the suite's other lanes 9.4 s at an intake 1.93x slower.
+# NOTE: a stall shorter than the queue timeout at the reference pace (below), growing
+# with the machine's pace as the intake does. Gaps of 3-4.6 s were timed here at the
+# burst's peak (9.4 s beside the suite's other lanes, at an intake 1.93x slower); the
+# reader's own loop turned out to be stalled for nearly all of them (a 1.90 s gap
+# held 1.87 s of it), so the bound now holds the server to its part of a gap.
 RUNNING_GAP_BOUND_S = QUEUE_TIMEOUT_S
 RUNNING_STREAMS = 2
 # NOTE: as long as max_model_len lets them (tiny's context is 2,048): beside the
@@ -202,6 +204,9 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     url = server + "/v1/completions"
 
     async def run():
+        # NOTE: what this test's own loop (the running streams' reader) waited for a
+        # CPU: a stall it measures may be partly its own (loadtests/client_wait.py)
+        own_wait = ClientWait().start()
         async with httpx.AsyncClient(timeout=120) as client:
             # the same burst answered without the engine (404: an unknown model, or
             # 429 from the gate, which counts these too): the pace at which the
@@ -219,13 +224,14 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)),
                                    RUNNING_FIRST_TOKEN_TIMEOUT_S)
             burst = asyncio.ensure_future(asyncio.to_thread(burst.send))
-            return intake, await asyncio.gather(*running), await burst
+            results = intake, await asyncio.gather(*running), await burst
+        return *results, own_wait, own_wait.take()
 
     with busy_core():
-        intake, running, sent = asyncio.run(run())
+        intake, running, sent, own_wait, waited = asyncio.run(run())
     intake, burst = intake["rows"], sent["rows"]
     assert {status for status, *_ in intake} <= {404, 429}
-    gaps, covered = [], []
+    gaps, server_gaps, covered = [], [], []
     for r in running:  # the streams already running complete at their pace
         assert r.status == 200 and r.done and not r.error_events, r.events[-2:]
         # NOTE: through a third of the burst's sending at least: beside the suite's
@@ -237,6 +243,13 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
         assert r.event_times[0] < sent["first_sent"] and covered[-1] >= MIN_SENDING_COVERED, (
             f"a running stream did not run through the burst ({covered[-1]:.0%} of its sending)")
         gaps.append(max(b - a for a, b in zip(r.event_times, r.event_times[1:])))
+        # NOTE: a gap is timed by this test's own loop, which shares the cores with the
+        # busy loop and the server: alone here it once stalled 2.89 s, and the longest
+        # gap was 2.88 s. The stall bound holds the server to its part of each gap: the
+        # gap less the time the reader itself was stalled within it.
+        server_gaps.append(max(b - a - own_wait.stalled_within(a, b)
+                               for a, b in zip(r.event_times, r.event_times[1:])))
+    server_gap_s = max(server_gaps)
     admitted = [row for row in burst if row[0] == 200]
     refused = [row for row in burst if row[0] == 429]
     other = [row for row in burst if row[0] not in (200, 429)]
@@ -252,8 +265,11 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
           f"{max(ttfts, default=0):.2f} s (after sending: median "
           f"{_median([first for _, first, *_ in admitted]):.2f} s); refusal after sending: "
           f"median {_median(refusal_s):.2f} s (the same burst without the engine: "
-          f"{_median(intake_s):.2f} s); running streams' longest gap {max(gaps):.2f} s, "
-          f"through {min(covered):.0%} of the burst's sending at least")
+          f"{_median(intake_s):.2f} s); running streams' longest gap {max(gaps):.2f} s "
+          f"({server_gap_s:.2f} s less the reader's own stalls), "
+          f"through {min(covered):.0%} of the burst's sending at least; this test's "
+          f"reader waited for a CPU {waited['client_cpu_wait_share'] or 0:.1%} of the "
+          f"time, its loop stalled up to {waited['client_longest_loop_stall_ms']:.0f} ms")
     assert not other, other[:5]
     assert all(complete for *_, complete, _ in admitted)
     assert len(admitted) >= MAX_NUM_SEQS and refused
@@ -261,7 +277,7 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     # lanes it can slow down between that and the burst (a bound of 3.1 s missed by an
     # admission at 4.75 s, which passed alone). Where a bound is missed, the intake
     # runs again after the burst, and the slower of the two sets the bounds.
-    if (max(ttfts) >= _ttft_bound_s(intake_s) or max(gaps) >= _gap_bound_s(intake_s)
+    if (max(ttfts) >= _ttft_bound_s(intake_s) or server_gap_s >= _gap_bound_s(intake_s)
             or _median(refusal_s) >= INTAKE_FACTOR * _median(intake_s)):
         with busy_core():  # as the first was
             again = [ended for _, _, ended, *_ in _run_burst(url, num_requests, 16, "none")["rows"]]
@@ -273,7 +289,7 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     gap_bound_s = _gap_bound_s(intake_s)
     print(f"admitted first-token bound on this machine: {ttft_bound_s:.2f} s; running "
           f"streams' stall bound: {gap_bound_s:.2f} s")
-    assert max(gaps) < gap_bound_s, gaps
+    assert server_gap_s < gap_bound_s, (gaps, server_gaps, waited)
     assert max(ttfts) < ttft_bound_s, sorted(ttfts)
     # Refused before the expensive work: by the ingress's gate, not by an engine
     # after being parsed, tokenized and routed (without the gate: none of them). The

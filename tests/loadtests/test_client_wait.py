@@ -66,3 +66,21 @@ def test_a_launched_server_session_yields_to_the_client(tmp_path):
     with LocalServer(["--step-ms", "1"], module="loadtests.fake_server", model="fake",
                      log_path=tmp_path / "s2.log", startup_timeout_s=30) as srv:
         assert open(f"/proc/{srv.process.pid}/autogroup").read().split()[-1] == "0"
+
+
+def test_a_stall_is_kept_with_its_times_so_a_gap_can_discount_it():
+    async def run():
+        wait = ClientWait().start()
+        await asyncio.sleep(0.05)
+        before = time.monotonic()
+        time.sleep(0.3)
+        await asyncio.sleep(0.05)
+        after = time.monotonic()
+        wait.take()
+        return wait, before, after
+
+    wait, before, after = asyncio.run(run())
+    assert len(wait.stalls) == 1
+    assert 0.25 <= wait.stalled_within(before - 1.0, after + 1.0) <= after - before
+    assert wait.stalled_within(before, before + 0.1) == pytest.approx(0.1, abs=0.03)
+    assert wait.stalled_within(after + 1.0, after + 2.0) == 0.0
