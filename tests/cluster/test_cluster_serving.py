@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from cluster_support import engine_handle, serve_app, wait_until
+from loadtests.client_wait import ClientWait
 from loadtests.openai_stream import StreamParser
 from metrics_support import dashboard, dashboard_queries, names_in, scrape
 from reliability_support import pinned_stats
@@ -389,6 +390,7 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server, tokenizer
     tokenizer.encode(SLOW_TO_TOKENIZE)
     max_gap_s = max(MAX_STREAM_GAP_S, 0.75 * (time.monotonic() - started))
     async def run():
+        own_wait = ClientWait().start()
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0,
                     "ignore_eos": True, "stream": True}
@@ -403,16 +405,20 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server, tokenizer
                         big = asyncio.ensure_future(c.post(
                             server + "/v1/completions",
                             json={"model": MODEL, "prompt": SLOW_TO_TOKENIZE, "max_tokens": 4}))
-            return arrivals, await big
+            big = await big
+        own_wait.take()
+        return arrivals, big, own_wait
 
-    arrivals, big = asyncio.run(run())
+    arrivals, big, own_wait = asyncio.run(run())
     assert big.status_code == 400, big.text[:300]
     error = big.json()["error"]
     # refused after tokenizing: the message counts tokens, not characters
     assert error["code"] == "context_length_exceeded" and "1500" in error["message"], error
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    # NOTE: less the time this test's own loop was stalled within each gap (it shares
+    # the cores with the server; loadtests/client_wait.py): that part is not the server's
+    gaps = [b - a - own_wait.stalled_within(a, b) for a, b in zip(arrivals, arrivals[1:])]
     print(f"\nlargest gap of a concurrent stream while 1.5M tokens were made: {max(gaps):.3f} s"
-          f" (bound {max_gap_s:.2f} s)")
+          f" (bound {max_gap_s:.2f} s; the reader's own stalls taken out)")
     assert max(gaps) < max_gap_s, sorted(gaps)[-5:]
 
 
