@@ -7,8 +7,8 @@ seconds at a time: the events pile up in the client's sockets and are read in on
 burst, so the burst's inter-token latencies read ~0 ms and the latency before it
 reads seconds. Neither is the server's doing. `ClientWait` measures that wait from
 the client's side so a result can say when its latencies are not the server's:
-- the run-queue wait of the client's event-loop thread (Linux `/proc/self/task/<tid>/schedstat`:
-  time runnable but not running);
+- the run-queue wait of the client's event-loop thread (Linux:
+  `/proc/self/task/<tid>/schedstat`, the time it was runnable but not running);
 - the longest stall of the client's event loop, from a 10 ms timer task (any OS),
   and each stall's times, so that a reader can take its own stalls out of the gaps
   it timed (`stalled_within`; the burst test does).
@@ -16,7 +16,6 @@ the client's side so a result can say when its latencies are not the server's:
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from dataclasses import dataclass, field
