@@ -88,7 +88,7 @@ def warning(wait: dict, server_pid: int | None = None) -> str | None:
     """A line for the result when the client's own waiting distorts its latencies."""
     share = wait.get("client_cpu_wait_share")
     stall_ms = wait.get("client_longest_loop_stall_ms") or 0.0
-    if (share is None or share < WAIT_SHARE_FLAG) and stall_ms < LOOP_STALL_FLAG_S * 1000:
+    if (share is None or share <= WAIT_SHARE_FLAG) and stall_ms <= LOOP_STALL_FLAG_S * 1000:
         return None
     what = (f"the benchmark client's event loop stalled up to {stall_ms:.0f} ms"
             if share is None else f"the benchmark client waited for a CPU {share:.1%} of the "
@@ -96,5 +96,6 @@ def warning(wait: dict, server_pid: int | None = None) -> str | None:
     where = f"/proc/{server_pid}/autogroup" if server_pid else "/proc/<server pid>/autogroup"
     return (f"warning: {what}: events queued in its sockets meanwhile, so its ITL and TTFT "
             "include its own wait, not only the server's. Run the client on another "
-            f"machine, or lower the server session's priority (echo 5 > {where}; "
-            "`bench compare` and `bench http` do so for the servers they start).")
+            "machine, or run the server in a session of its own (another terminal, or "
+            f"setsid) and lower that session's priority (echo 5 > {where}, or more; "
+            "`bench compare` and `bench http` start their servers at 5).")

@@ -52,17 +52,25 @@ def wait_healthy(base_url: str, timeout_s: float, check_alive=lambda: None) -> N
     raise TimeoutError(f"{base_url} not healthy after {timeout_s:g}s")
 
 
-def set_session_nice(pid: int, nice: int) -> bool:
+def set_session_nice(pid: int, nice: int, timeout_s: float = 2.0) -> bool:
     """Sets the autogroup niceness of `pid`'s session (Linux with autogroup
     scheduling; raising it needs no privilege). False where there is none.
     NOTE: the process has exec'd when Popen returns, so its session exists, and
-    everything it starts later inherits the session's group."""
-    try:
-        with open(f"/proc/{pid}/autogroup", "w") as f:
-            f.write(str(nice))
-        return True
-    except OSError:
-        return False
+    everything it starts later inherits the session's group. Without CAP_SYS_ADMIN
+    the kernel takes one such change per 100 ms machine-wide and answers EAGAIN
+    meanwhile: try again until `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/autogroup", "w") as f:
+                f.write(str(nice))
+            return True
+        except BlockingIOError:  # EAGAIN: another change within the last 100 ms
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        except OSError:
+            return False
 
 
 def _stop_all_at_exit() -> None:
@@ -126,8 +134,10 @@ class LocalServer:
                                             # NOTE: Popen's process_group needs 3.11
                                             preexec_fn=None if self.own_session else os.setpgrp,
                                             env=self.env, cwd=self.cwd)
-            if self.own_session and self.session_nice:
-                set_session_nice(self.process.pid, self.session_nice)
+            if (self.own_session and self.session_nice
+                    and not set_session_nice(self.process.pid, self.session_nice)):
+                print(f"note: could not set the server session's autogroup nice to "
+                      f"{self.session_nice} (no autogroup scheduling here?)", file=sys.stderr)
             attempts_left -= 1
             try:
                 wait_healthy(self.base_url, self.startup_timeout_s, self._check_alive)

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import gguf
@@ -355,17 +354,17 @@ def test_the_launcher_says_what_is_wrong_with_a_gguf_file_and_exits_before_ray(w
     # NOTE: a free --port, so that a launcher that went on to start Ray would not
     # fight another server over the default one
     flags = ["--model", str(path), "--port", str(preflight.free_port())]
-    started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "cluster.serve_local", *flags],
                             capture_output=True, text=True, timeout=90, env=env,
                             stdin=subprocess.DEVNULL)
-    elapsed_s = time.monotonic() - started
     out = result.stdout + result.stderr
     assert result.returncode == 2, out
     [line] = [x for x in result.stderr.splitlines() if x.startswith("error: ")]
     assert line.startswith(f"error: {path}: architecture 'qwen2moe' is not supported"), out
     assert "Traceback" not in out and len(out.splitlines()) <= 4, out  # an API key warning, a hint
-    assert "Starting a local Ray" not in out and elapsed_s < 12, (elapsed_s, out)
+    # NOTE: the launcher says "Starting a local Ray" just before it starts one; not
+    # timed: beside the suite's other lanes the exit took 14 s once (2 s alone)
+    assert "Starting a local Ray" not in out, out
 
 
 def test_preflight_converts_a_good_gguf_file_into_the_cache(writer, files, cache):
