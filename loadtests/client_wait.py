@@ -11,7 +11,7 @@ the client's side so a result can say when its latencies are not the server's:
   `/proc/self/task/<tid>/schedstat`, the time it was runnable but not running);
 - the longest stall of the client's event loop, from a 10 ms timer task (any OS),
   and each stall's times, so that a reader can take its own stalls out of the gaps
-  it timed (`stalled_within`; the burst test does).
+  it timed (`stalled_within`, `gaps_less_stalls`; the burst test does).
 """
 from __future__ import annotations
 
@@ -69,6 +69,11 @@ class ClientWait:
         """Seconds of [start, end] (time.monotonic()) this loop was stalled: the
         part of a gap between two events that was the reader's own."""
         return sum(max(0.0, min(end, to) - max(start, since)) for since, to in self.stalls)
+
+    def gaps_less_stalls(self, times: list[float]) -> list[float]:
+        """The gaps between consecutive event times (time.monotonic()), each less the
+        time this loop was stalled within it: the sender's part of each gap."""
+        return [b - a - self.stalled_within(a, b) for a, b in zip(times, times[1:])]
 
     def take(self) -> dict:
         """{"client_cpu_wait_s", "client_cpu_wait_share" (None off Linux),

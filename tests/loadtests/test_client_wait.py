@@ -87,6 +87,9 @@ def test_a_stall_is_kept_with_its_times_so_a_gap_can_discount_it():
     assert 0.25 <= wait.stalled_within(before, before + 0.3) <= 0.3
     assert wait.stalled_within(before, before + 0.1) == pytest.approx(0.1, abs=0.03)
     assert wait.stalled_within(after + 1.0, after + 2.0) == 0.0
+    # two events around the stall: the gap between them, less the loop's own part
+    gap, = wait.gaps_less_stalls([before, before + 0.4])
+    assert 0.0 <= gap <= 0.11  # 0.4 if the stall were not taken out
 
 
 def test_a_session_nice_the_kernel_asks_to_retry_is_set_on_a_later_try(monkeypatch, tmp_path):
