@@ -52,6 +52,19 @@ def wait_healthy(base_url: str, timeout_s: float, check_alive=lambda: None) -> N
     raise TimeoutError(f"{base_url} not healthy after {timeout_s:g}s")
 
 
+def session_autogroup(pid: int | str = "self") -> str | None:
+    """The autogroup `pid`'s session is scheduled as ("/autogroup-N nice K"), or None
+    where none is in effect. NOTE: the kernel shows an empty file, not an error, for
+    a process outside the root CPU cgroup (a container with a CPU controller of its
+    own): there the cgroup, not the session, shares the CPU."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            line = f.read().strip()
+    except OSError:
+        return None
+    return line or None
+
+
 def set_session_nice(pid: int, nice: int, timeout_s: float = 2.0) -> bool:
     """Sets the autogroup niceness of `pid`'s session (Linux with autogroup
     scheduling; raising it needs no privilege). False where there is none.

@@ -1,7 +1,7 @@
 """The benchmark client's own wait for a CPU (loadtests/client_wait.py): measured on
 its event loop, flagged in the result when it would distort the latencies."""
 import asyncio
-import os
+import io
 import sys
 import time
 
@@ -55,19 +55,20 @@ def test_either_measure_flags_the_result(share, stall_ms, flagged):
         assert ("waited for a CPU" in line) is (share is not None)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroup scheduling here")
 def test_a_launched_server_session_yields_to_the_client(tmp_path):
-    from loadtests.local_server import LocalServer
+    from loadtests.local_server import LocalServer, session_autogroup
 
+    if session_autogroup() is None:
+        pytest.skip("no autogroup scheduling for this process (no autogroup, or a CPU cgroup of its own)")
     with LocalServer(["--step-ms", "1"], module="loadtests.fake_server", model="fake",
                      log_path=tmp_path / "s.log", startup_timeout_s=30, session_nice=5) as srv:
-        theirs = open(f"/proc/{srv.process.pid}/autogroup").read().split()
-        ours = open("/proc/self/autogroup").read().split()
+        theirs = session_autogroup(srv.process.pid).split()
+        ours = session_autogroup().split()
         assert theirs[0] != ours[0]  # a session, so an autogroup, of its own
         assert theirs[-1] == "5"
     with LocalServer(["--step-ms", "1"], module="loadtests.fake_server", model="fake",
                      log_path=tmp_path / "s2.log", startup_timeout_s=30) as srv:
-        assert open(f"/proc/{srv.process.pid}/autogroup").read().split()[-1] == "0"
+        assert session_autogroup(srv.process.pid).split()[-1] == "0"
 
 
 def test_a_stall_is_kept_with_its_times_so_a_gap_can_discount_it():
@@ -114,3 +115,12 @@ def test_a_session_nice_the_kernel_asks_to_retry_is_set_on_a_later_try(monkeypat
     assert local_server.set_session_nice(4242, 5) and written == ["5"]
     answers[:] = [PermissionError(1, "no")]
     assert not local_server.set_session_nice(4242, 5)
+
+
+def test_a_session_without_an_autogroup_reads_as_none(monkeypatch):
+    from loadtests import local_server
+
+    assert local_server.session_autogroup(2 ** 22 + 1) is None  # no such process
+    # outside the root CPU cgroup the kernel shows the file empty
+    monkeypatch.setattr(local_server, "open", lambda *a, **k: io.StringIO(""), raising=False)
+    assert local_server.session_autogroup() is None
