@@ -7,9 +7,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from cluster.launcher.process_table import ProcessInfo, cmdline, descendants, read_process_table
+from cluster.launcher.process_table import (ProcessInfo, cmdline, descendants, read_process_table,
+                                            read_thread)
+from replicas.os_thread_name import ENGINE_STEP_THREAD
 
 ROLES = ("front door", "ingress", "engine", "ray", "client")
+# Part of "engine", not beside it: the engine replicas' step threads alone (by the
+# name the engine gives them). The rest of "engine" is the replicas' other threads:
+# their output and event-loop threads and Ray's own.
+ENGINE_STEP = "engine step"
+SHOWN = (*ROLES[:3], ENGINE_STEP, *ROLES[3:])  # the order of the printed CPU block
 
 
 def role_of(cmdline: str, comm: str) -> str:
@@ -37,10 +44,30 @@ def processes(root_pid: int | None) -> list[tuple[int, str, str, ProcessInfo]]:
     return out
 
 
-def _cpu_by_process(root_pid: int) -> dict[tuple[int, int], tuple[str, float]]:
-    """(pid, start time) -> (role, CPU seconds).
+def _step_threads(pid: int) -> dict[int, float]:
+    """tid -> CPU seconds of `pid`'s engine step threads (none where unnamed)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return {}
+    out = {}
+    for tid in tids:
+        info = read_thread(pid, tid)
+        if info is not None and info.comm == ENGINE_STEP_THREAD:
+            out[tid] = info.cpu_s
+    return out
+
+
+def _cpu_by_process(root_pid: int) -> dict[tuple, tuple[str, float]]:
+    """(pid, start time[, tid]) -> (role, CPU seconds).
     NOTE: keyed with the start time too: a pid reused during a run is another process."""
-    return {(pid, info.start_ticks): (role, info.cpu_s) for pid, _, role, info in processes(root_pid)}
+    out = {}
+    for pid, _, role, info in processes(root_pid):
+        out[(pid, info.start_ticks)] = (role, info.cpu_s)
+        if role == "engine":
+            for tid, cpu in _step_threads(pid).items():
+                out[(pid, info.start_ticks, tid)] = (ENGINE_STEP, cpu)
+    return out
 
 
 @dataclass(slots=True)
@@ -62,7 +89,7 @@ class ProcessCpu:
         from 0, those that ended meanwhile are lost (none should, in a run)."""
         if not self.available:
             return {}
-        seconds = dict.fromkeys(ROLES, 0.0)
+        seconds = dict.fromkeys(SHOWN, 0.0)
         for key, (role, cpu) in _cpu_by_process(self.root_pid).items():
             before = self._before.get(key)
             seconds[role] += cpu - (before[1] if before is not None else 0.0)
@@ -80,6 +107,6 @@ def per_token_us(seconds: dict[str, float], num_output_tokens: int) -> dict[str,
     if not seconds or num_output_tokens <= 0:
         return {}
     out = {role: s * 1e6 / num_output_tokens for role, s in seconds.items()}
-    out["server"] = sum(v for role, v in out.items() if role != "client")
+    out["server"] = sum(v for role, v in out.items() if role not in ("client", ENGINE_STEP))
     return out
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from loadtests.serving_run import BenchConfig, make_parser, run_benchmark
 from loadtests.local_server import LocalServer, free_port, wait_healthy
 from loadtests.metrics import format_table, median_rows, ratio
-from loadtests.process_cpu import ROLES
+from loadtests.process_cpu import SHOWN as CPU_ROLES
 
 APP_NAME = "stepstream"
 
@@ -241,8 +241,9 @@ def report_http(rows: dict[str, dict], args, result_dir: Path) -> dict:
                        + [("x_offline", "tok/s x offline", ".2f"), ("failed", "failed", "g"),
                           CLIENT_WAIT]))
     print("\nCPU us per output token")
+    shown = (*CPU_ROLES, "server", "front door + ingress")
     print(format_table({n: r for n, r in rows.items() if "cpu_us server" in r},
-                       [(f"cpu_us {role}", role, ".1f") for role in (*ROLES, "server", "front door + ingress")]))
+                       [(f"cpu_us {role}", role, ".1f") for role in shown]))
     if "offline, t=0" in rows and "offline, t=1" in rows:
         print(f"offline t=1 vs greedy: {ratio(rows['offline, t=1']['output_throughput'], rows['offline, t=0']['output_throughput']) or 0:.2f}x")
     added = (rows[f"http {variants[0]}, c=1"].get("median_ttft_ms", float("nan"))

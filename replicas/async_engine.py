@@ -21,6 +21,7 @@ from deltas.types import FinishReason, OutputKind, TokenDelta
 from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_core import EngineCore
 from replicas.engine_stats import EngineStats
+from replicas.os_thread_name import ENGINE_STEP_THREAD, name_this_thread
 from replicas.request import Request
 from replicas.sampling.structured_output import GrammarMatcher
 
@@ -189,6 +190,7 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------
     def _run(self) -> None:
         core = self.core
+        name_this_thread(ENGINE_STEP_THREAD)
         try:
             core.bind_thread()
             while not self._is_stopping:

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from deltas.collector import WakeBatch
 from deltas.types import FinishReason, TokenDelta
+from replicas.os_thread_name import ENGINE_OUTPUT_THREAD, name_this_thread
 from replicas.request import Request
 from replicas.sampling.sampled_step import StepOutput
 
@@ -26,7 +27,9 @@ class OutputProcessor:
     def __init__(self, max_model_len: int, async_output: bool, release_per_step: bool):
         self.max_model_len = max_model_len
         self.release_per_step = release_per_step
-        self._executor = ThreadPoolExecutor(1, "stepstream-output") if async_output else None
+        self._executor = ThreadPoolExecutor(
+            1, "stepstream-output", initializer=name_this_thread,
+            initargs=(ENGINE_OUTPUT_THREAD,)) if async_output else None
         self._pending: deque[Future] = deque()
         self.finished: deque[Request] = deque()  # appended here, drained by the engine
         self._held_sinks: list = []  # per-window release: sinks to wake at window end

@@ -22,8 +22,17 @@ class ProcessInfo:
 
 def read_process(pid: int) -> ProcessInfo | None:
     """One live process, or None."""
+    return _read_stat(f"/proc/{pid}/stat")
+
+
+def read_thread(pid: int, tid: int) -> ProcessInfo | None:
+    """One live thread of `pid` (its own name and CPU time), or None."""
+    return _read_stat(f"/proc/{pid}/task/{tid}/stat")
+
+
+def _read_stat(path: str) -> ProcessInfo | None:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(path, "rb") as f:
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return None

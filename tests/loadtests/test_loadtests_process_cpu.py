@@ -62,3 +62,39 @@ def test_per_token_figures_and_their_table():
     table = format_cpu_block(us)
     assert "CPU us per output token" in table and "engine:" in table and "135.0" in table
     assert per_token_us({}, 100) == {} and per_token_us({"ray": 1.0}, 0) == {}
+
+
+_ENGINE = ("import threading, time\n"
+           "from replicas.os_thread_name import ENGINE_STEP_THREAD, name_this_thread\n"
+           "def step():\n"
+           "    name_this_thread(ENGINE_STEP_THREAD)\n"
+           "    end = time.thread_time() + 0.4\n"
+           "    while time.thread_time() < end: pass\n"
+           "    time.sleep(10)\n"
+           "threading.Thread(target=step, daemon=True).start()\n"
+           "end = time.thread_time() + 0.2\n"
+           "while time.thread_time() < end: pass\n"
+           "time.sleep(10)\n")
+
+
+def test_an_engine_replicas_step_thread_is_counted_apart_within_the_engine(monkeypatch):
+    from loadtests import process_cpu
+
+    monkeypatch.setattr(process_cpu, "role_of", lambda cmdline, comm: "engine")  # a replica's title
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE])
+    try:
+        cpu = ProcessCpu(engine.pid).start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            seconds = cpu.take()
+            if seconds["engine step"] >= 0.38 and seconds["engine"] >= 0.58:
+                break
+            time.sleep(0.2)
+    finally:
+        engine.kill()
+        engine.wait(10)
+    # NOTE: the step thread may start before start(): what it burnt by then is not counted
+    assert 0.0 < seconds["engine step"] <= 0.45, seconds  # the named thread alone
+    assert seconds["engine"] >= seconds["engine step"] + 0.15, seconds  # the whole process
+    us = per_token_us(seconds, 1000)
+    assert us["server"] == pytest.approx(sum(us[r] for r in ("front door", "ingress", "engine", "ray")))
