@@ -25,6 +25,9 @@ ignore_eos, 128-token prompts unless said):
 - `--attention`: the CPU decode-attention kernel against its source at `--baseline-ref`
   on the trained shape's heads, at 64 and 256 streams of 160 tokens of context
   (loadtests/attention_kernel_pace.py; no model);
+- `--contention`: one thread's decode-step matrix products on one core, alone and
+  beside Python work, a second such step, or a memory copy on another core (128
+  streams of `smollm2-135m` and `tiny` by default; loadtests/core_contention.py);
 - `--wire`: the per-step wire's encode + decode cost, old lists vs msgspec bytes
   (loadtests/wire_cost.py; no engine, no model).
 - `--structured`: 200 streams, every fourth held to a JSON schema, beside the same
@@ -46,7 +49,7 @@ from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_
 from loadtests.metrics import format_table, median_rows, ratio
 
 MODES = ("matrix", "ceiling", "process", "prefix", "wire", "structured", "roofline", "sampling",
-         "attention")
+         "attention", "contention")
 # per mode: models, concurrency, output_len, repeats
 DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "matrix": (["tiny", "small"], [64, 256], 256, 1),
@@ -55,7 +58,8 @@ DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "structured": (["tiny"], [200], 128, 3),
             "roofline": (["smollm2-135m"], [64, 256], 64, 1),
             "sampling": (["smollm2-135m"], [64, 256], 64, 1),
-            "attention": ([], [64, 256], 0, 5)}
+            "attention": ([], [64, 256], 0, 5),
+            "contention": (["smollm2-135m", "tiny"], [128], 0, 3)}
 TOK_S = ("output_throughput", "tok/s", ".0f")
 TTFT = ("median_ttft_ms", "TTFT p50 ms", ".1f")
 TPOT = [("median_tpot_ms", "TPOT p50 ms", ".2f"), ("p99_tpot_ms", "p99", ".2f")]
@@ -300,6 +304,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.baseline_ref is None:
             make_parser().error("--attention needs --baseline-ref REV")
         result = report(args.baseline_ref, args.concurrency, args.input_len + 32, args.repeats)
+    elif mode == "contention":
+        from loadtests.core_contention import report
+        result = report(args.models, args.concurrency, args.repeats)
     elif mode == "wire":
         from loadtests.wire_cost import report
         result = report(args.num_deltas, args.tokens, args.samples)
