@@ -250,7 +250,8 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=None,
                     help="default: 256 with --matrix, else 128")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="interleaved rounds, medians (default: 2 --process, 3 --prefix, else 1)")
+                    help="interleaved rounds, medians (default: 2 --process; 3 --prefix, --structured, "
+                         "--contention; 5 --attention; else 1)")
     ap.add_argument("--result-dir", default="results")
     ap.add_argument("--hf-batch-max", type=int, default=64)
     ap.add_argument("--baseline-ref", default=None,

@@ -7,7 +7,9 @@ run on the others. When a change to the HTTP side makes the engine's CPU per tok
 rise, either the engine does more work of its own or its step runs slower because of
 what runs beside it. This tells the two apart: it times the model's decode-step
 matrix products (loadtests/gemm_roofline.py's `step_products`, float32, one thread)
-pinned to one core, alone and beside a neighbour pinned to another core:
+pinned to one core, alone and beside a neighbour pinned to another core. Each use of
+a product has weights of its own, as each layer does, so the step reads the model's
+whole weight bytes from memory as the real one does:
 
 - `python`: the interpreter's own work, JSON in and out (what the HTTP side does);
 - `gemm step`: the same step's products (a second engine replica);
@@ -44,17 +46,17 @@ def _products_of(config) -> list[tuple[int, int, int]]:
 
 
 def _step_runner(products: list[tuple[int, int, int]], batch: int):
-    """A callable doing one step's products (each product once per use in the step:
-    `count` times), and the number of products it does."""
+    """A callable doing one step's products on this thread: `count` of each, each with
+    weights of its own (one per layer). NOTE: sets torch's threads to 1 in this
+    process; `measure` puts them back."""
     import torch
 
     torch.set_num_threads(1)
-    pairs = [(torch.randn(batch, k), torch.randn(k, n), count) for k, n, count in products]
+    pairs = [(torch.randn(batch, k), torch.randn(k, n)) for k, n, count in products for _ in range(count)]
 
     def step() -> None:
-        for x, w, count in pairs:
-            for _ in range(count):
-                torch.mm(x, w)
+        for x, w in pairs:
+            torch.mm(x, w)
     return step
 
 
@@ -89,16 +91,36 @@ def _neighbour_work(kind: str, products: list, batch: int):
     raise ValueError(f"neighbour must be one of {NEIGHBOURS}, got {kind!r}")
 
 
+# NOTE: started with -c, not as a module of its own: loadtests keeps its six entry points.
+_NEIGHBOUR = "import sys; from loadtests.core_contention import neighbour_main; neighbour_main(sys.argv[1:])"
+
+
+def neighbour_command(kind: str, core: int, products: list, batch: int) -> list[str]:
+    return [sys.executable, "-c", _NEIGHBOUR, "--neighbour", kind, "--core", str(core),
+            "--products", json.dumps(products), "--batch", str(batch)]
+
+
 def start_neighbour(kind: str, core: int, products: list, batch: int) -> subprocess.Popen:
-    """A process of `kind` pinned to `core`, working until killed; returned once it
-    has set up and done its work once (its start-up is not its work)."""
-    proc = subprocess.Popen([sys.executable, "-m", "loadtests.core_contention", "--neighbour", kind,
-                             "--core", str(core), "--products", json.dumps(products),
-                             "--batch", str(batch)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
-    if proc.stdout.readline().strip() != b"working":
-        proc.kill()
-        raise RuntimeError(f"the {kind!r} neighbour exited before it worked ({proc.wait()})")
+    """A process of `kind` pinned to `core`, working until killed (or until this
+    process dies: it watches its stdin); returned once it has set up and done its
+    work once (its start-up is not its work)."""
+    proc = subprocess.Popen(neighbour_command(kind, core, products, batch),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        line = proc.stdout.readline().strip()
+        if line != b"working":
+            raise RuntimeError(f"the {kind!r} neighbour exited before it worked ({proc.wait()})")
+    except BaseException:
+        stop_neighbour(proc)
+        raise
     return proc
+
+
+def stop_neighbour(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        pipe.close()
 
 
 def measure(products: list[tuple[int, int, int]], batch: int, rounds: int = 3,
@@ -109,8 +131,10 @@ def measure(products: list[tuple[int, int, int]], batch: int, rounds: int = 3,
     if len(cores) < 2:
         raise SystemExit(f"--contention needs two usable cores (Linux CPU affinity); this "
                          f"process may use {len(cores) or 'an unknown number of'}")
+    import torch
+
     mine, theirs = cores[0], cores[1]
-    before = os.sched_getaffinity(0)
+    before, threads_before = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, {mine})
     samples: dict[str, list[float]] = {"alone": [], **{kind: [] for kind in NEIGHBOURS}}
     try:
@@ -123,10 +147,10 @@ def measure(products: list[tuple[int, int, int]], batch: int, rounds: int = 3,
                         raise RuntimeError(f"the {row!r} neighbour exited ({neighbour.returncode})")
                 finally:
                     if neighbour is not None:
-                        neighbour.kill()
-                        neighbour.wait()
+                        stop_neighbour(neighbour)
     finally:
         os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads_before)
     alone = statistics.median(samples["alone"])
     return {row: {"steps_per_s": statistics.median(v), "x_alone": statistics.median(v) / alone,
                   "rounds": v} for row, v in samples.items()}
@@ -151,14 +175,26 @@ def report(models: list[str], batches: list[int], rounds: int) -> dict:
     return result
 
 
-def _neighbour_main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="python -m loadtests.core_contention",
+def _exit_when_the_parent_goes() -> None:
+    """A neighbour busy-loops on a pinned core: once its parent is gone (its stdin
+    closes, whatever ended the parent) it must not go on."""
+    import threading
+
+    def watch() -> None:
+        sys.stdin.buffer.read()
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def neighbour_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="loadtests.core_contention neighbour",
                                 description="A neighbour for --contention (not for direct use).")
     p.add_argument("--neighbour", choices=NEIGHBOURS, required=True)
     p.add_argument("--core", type=int, required=True)
     p.add_argument("--products", required=True, help="JSON [[in, out, count], ...]")
     p.add_argument("--batch", type=int, required=True)
     args = p.parse_args(argv)
+    _exit_when_the_parent_goes()
     os.sched_setaffinity(0, {args.core})
     work = _neighbour_work(args.neighbour, [tuple(x) for x in json.loads(args.products)], args.batch)
     work()
@@ -166,6 +202,3 @@ def _neighbour_main(argv: list[str]) -> None:
     while True:
         work()
 
-
-if __name__ == "__main__":
-    _neighbour_main(sys.argv[1:])

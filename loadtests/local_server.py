@@ -53,10 +53,11 @@ def wait_healthy(base_url: str, timeout_s: float, check_alive=lambda: None) -> N
 
 
 def session_autogroup(pid: int | str = "self") -> str | None:
-    """The autogroup `pid`'s session is scheduled as ("/autogroup-N nice K"), or None
-    where none is in effect. NOTE: the kernel shows an empty file, not an error, for
-    a process outside the root CPU cgroup (a container with a CPU controller of its
-    own): there the cgroup, not the session, shares the CPU."""
+    """The autogroup of `pid`'s session ("/autogroup-N nice K"), or None where it has
+    none. NOTE: the kernel shows an empty file, not an error, for a session still in
+    the boot-time group (one never started by setsid, as a container's first
+    process's may be). A file that names a group does not prove the group is in
+    effect: for a process in a CPU cgroup of its own the cgroup shares the CPU."""
     try:
         with open(f"/proc/{pid}/autogroup") as f:
             line = f.read().strip()

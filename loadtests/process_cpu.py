@@ -9,13 +9,16 @@ from dataclasses import dataclass, field
 
 from cluster.launcher.process_table import (ProcessInfo, cmdline, descendants, read_process_table,
                                             read_thread)
-from replicas.os_thread_name import ENGINE_STEP_THREAD
 
 ROLES = ("front door", "ingress", "engine", "ray", "client")
 # Part of "engine", not beside it: the engine replicas' step threads alone (by the
 # name the engine gives them). The rest of "engine" is the replicas' other threads:
-# their output and event-loop threads and Ray's own.
+# their output and event-loop threads and Ray's own. Left out of a run whose server
+# names no step thread (an older revision's): 0 there would read as a measurement.
 ENGINE_STEP = "engine step"
+# replicas.os_thread_name.ENGINE_STEP_THREAD (a test keeps them equal): the HTTP
+# clients import neither replicas nor Ray.
+ENGINE_STEP_THREAD = "ss-engine-step"
 SHOWN = (*ROLES[:3], ENGINE_STEP, *ROLES[3:])  # the order of the printed CPU block
 
 
@@ -75,7 +78,8 @@ class ProcessCpu:
     """CPU seconds per role between `start()` and `take()`."""
     root_pid: int
     available: bool = field(default_factory=lambda: os.path.isdir("/proc/self"))
-    _before: dict[tuple[int, int], tuple[str, float]] = field(default_factory=dict)
+    # (pid, start time) per process, (pid, start time, tid) per engine step thread
+    _before: dict[tuple, tuple[str, float]] = field(default_factory=dict)
     _client_before: float = 0.0
 
     def start(self) -> "ProcessCpu":
@@ -90,10 +94,13 @@ class ProcessCpu:
         if not self.available:
             return {}
         seconds = dict.fromkeys(SHOWN, 0.0)
-        for key, (role, cpu) in _cpu_by_process(self.root_pid).items():
+        now = _cpu_by_process(self.root_pid)
+        for key, (role, cpu) in now.items():
             before = self._before.get(key)
             seconds[role] += cpu - (before[1] if before is not None else 0.0)
         seconds["client"] = _own_cpu_s() - self._client_before
+        if not any(role == ENGINE_STEP for role, _ in (*now.values(), *self._before.values())):
+            del seconds[ENGINE_STEP]
         return seconds
 
 

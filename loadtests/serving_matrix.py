@@ -173,7 +173,9 @@ def compare_table(rows: dict[str, dict], baseline: str) -> str:
         if row.get("error"):
             shown[name] = {"ok": "failed"}
             continue
-        shown[name] = {**row, "ok": f"{row.get('completed', 0)}/{row.get('completed', 0) + row.get('failed', 0)}"}
+        # NOTE: counts are medians over the rounds (floats): shown as whole requests
+        completed, failed = round(row.get("completed", 0)), round(row.get("failed", 0))
+        shown[name] = {**row, "ok": f"{completed}/{completed + failed}"}
         if not row.get("stream", True):
             shown[name].update({k: None for k, _, _ in COLUMNS if "tpot" in k or "itl" in k})
     columns = [("ok", "ok", "")] + COLUMNS + [CLIENT_WAIT]

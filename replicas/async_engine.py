@@ -190,8 +190,8 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------
     def _run(self) -> None:
         core = self.core
-        name_this_thread(ENGINE_STEP_THREAD)
         try:
+            name_this_thread(ENGINE_STEP_THREAD)
             core.bind_thread()
             while not self._is_stopping:
                 if not core.has_work and not self._commands:

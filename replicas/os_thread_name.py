@@ -8,7 +8,6 @@ nothing happens: a name is a convenience, never a reason to fail.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 # The engine loop's thread: the one that runs the steps.
@@ -24,7 +23,7 @@ def name_this_thread(name: str) -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:_MAX_BYTES]), 0, 0, 0)
-    except (OSError, AttributeError):
+        # NOTE: CDLL(None) is this process's own symbols, libc's prctl among them.
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:_MAX_BYTES]), 0, 0, 0)
+    except Exception:  # noqa: BLE001 (a thread pool's initializer must not raise)
         pass

@@ -59,7 +59,7 @@ def test_a_launched_server_session_yields_to_the_client(tmp_path):
     from loadtests.local_server import LocalServer, session_autogroup
 
     if session_autogroup() is None:
-        pytest.skip("no autogroup scheduling for this process (no autogroup, or a CPU cgroup of its own)")
+        pytest.skip("this process's session has no autogroup of its own")
     with LocalServer(["--step-ms", "1"], module="loadtests.fake_server", model="fake",
                      log_path=tmp_path / "s.log", startup_timeout_s=30, session_nice=5) as srv:
         theirs = session_autogroup(srv.process.pid).split()
@@ -121,6 +121,6 @@ def test_a_session_without_an_autogroup_reads_as_none(monkeypatch):
     from loadtests import local_server
 
     assert local_server.session_autogroup(2 ** 22 + 1) is None  # no such process
-    # outside the root CPU cgroup the kernel shows the file empty
+    # a session still in the boot-time group: the kernel shows the file empty
     monkeypatch.setattr(local_server, "open", lambda *a, **k: io.StringIO(""), raising=False)
     assert local_server.session_autogroup() is None

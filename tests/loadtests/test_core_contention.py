@@ -2,42 +2,56 @@
 alone and beside each neighbour on another; it asserts what it measured, never how fast."""
 import os
 import subprocess
-import sys
 
 import pytest
 
 from loadtests import core_contention
-from loadtests.core_contention import NEIGHBOURS, measure, start_neighbour
+from loadtests.core_contention import NEIGHBOURS, measure, neighbour_command, start_neighbour
 
 TINY_STEP = [(64, 96, 2), (96, 64, 1)]  # (in, out, uses per step)
+affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
 
 
 def _cores() -> int:
     return len(core_contention.usable_cores())
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or _cores() < 2, reason="needs two usable cores")
-def test_each_row_is_measured_and_the_neighbours_are_gone_after():
-    before = os.sched_getaffinity(0)
+@pytest.mark.slow
+@affinity
+@pytest.mark.skipif(_cores() < 2, reason="needs two usable cores")
+def test_each_row_is_measured_and_its_neighbour_is_gone_after(monkeypatch):
+    import torch
+
+    started = []
+
+    def start(*args):
+        started.append(start_neighbour(*args))
+        return started[-1]
+
+    monkeypatch.setattr(core_contention, "start_neighbour", start)
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
     rows = measure(TINY_STEP, batch=8, rounds=1, seconds=0.1)
     assert list(rows) == ["alone", *NEIGHBOURS]
     assert rows["alone"]["x_alone"] == 1.0
     assert all(row["steps_per_s"] > 0 and len(row["rounds"]) == 1 for row in rows.values())
-    assert os.sched_getaffinity(0) == before  # this process may run anywhere again
-    mine = subprocess.run(["pgrep", "-f", "loadtests.core_contention --neighbour"], capture_output=True)
-    assert mine.stdout.strip() == b""
+    # this process runs where and as it did before
+    assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
+    assert len(started) == len(NEIGHBOURS) and all(p.poll() is not None for p in started)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
-def test_a_neighbour_runs_on_the_core_it_was_given():
+@affinity
+def test_a_neighbour_works_on_its_core_and_leaves_with_its_parent():
     core = sorted(os.sched_getaffinity(0))[-1]
     proc = start_neighbour("python", core, TINY_STEP, 8)
     try:
         assert os.sched_getaffinity(proc.pid) == {core}
         assert proc.poll() is None  # working until killed
+        proc.stdin.close()  # what its parent's end does
+        assert proc.wait(10) == 0
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
 
 
 def test_one_core_is_refused_with_a_reason(monkeypatch):
@@ -47,6 +61,6 @@ def test_one_core_is_refused_with_a_reason(monkeypatch):
 
 
 def test_an_unknown_neighbour_is_refused():
-    out = subprocess.run([sys.executable, "-m", "loadtests.core_contention", "--neighbour", "disk",
-                          "--core", "0", "--products", "[]", "--batch", "1"], capture_output=True, text=True)
+    command = neighbour_command("disk", 0, [], 1)
+    out = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert out.returncode == 2 and "invalid choice" in out.stderr
