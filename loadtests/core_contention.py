@@ -60,11 +60,9 @@ def _step_runner(products: list[tuple[int, int, int]], batch: int):
     return step
 
 
-def steps_per_second(products: list[tuple[int, int, int]], batch: int, seconds: float,
-                     min_steps: int = 8) -> float:
-    """Steps a second over at least `seconds` and `min_steps` steps."""
-    step = _step_runner(products, batch)
-    step()  # warm: allocator, packed kernels
+def steps_per_second(step, seconds: float, min_steps: int = 8) -> float:
+    """`step()`s a second over at least `seconds` and `min_steps` steps."""
+    step()  # warm: caches, after the neighbour's start
     done, start = 0, time.perf_counter()
     while True:
         step()
@@ -138,11 +136,12 @@ def measure(products: list[tuple[int, int, int]], batch: int, rounds: int = 3,
     os.sched_setaffinity(0, {mine})
     samples: dict[str, list[float]] = {"alone": [], **{kind: [] for kind in NEIGHBOURS}}
     try:
+        step = _step_runner(products, batch)  # weights made once, on this core, for every sample
         for _ in range(rounds):
             for row in samples:
                 neighbour = None if row == "alone" else start_neighbour(row, theirs, products, batch)
                 try:
-                    samples[row].append(steps_per_second(products, batch, seconds))
+                    samples[row].append(steps_per_second(step, seconds))
                     if neighbour is not None and neighbour.poll() is not None:
                         raise RuntimeError(f"the {row!r} neighbour exited ({neighbour.returncode})")
                 finally:
