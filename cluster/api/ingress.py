@@ -35,7 +35,7 @@ from cluster.api.openai_protocol import (ChatCompletionRequest, CompletionReques
 from cluster.transport.channels import ChannelHub
 from cluster.api.choice_runs import ChoiceRuns
 from cluster.errors import replica_error
-from cluster.api.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter
+from cluster.api.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter, TokenLabels
 from cluster.api.pending_gate import PendingGate
 from cluster.api.response_writer import SSEResponse, abort_all, json_answer, sse_events
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
@@ -315,6 +315,7 @@ class Ingress:
         self._served_model_name = served_model_name
         self._model = model
         self._tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(model))
+        self._token_labels = TokenLabels(self._token_text, self._tokenizer.token_bytes)
         self._max_token_chars = _max_token_chars(self._tokenizer)
         self._developer_role = developer_role(self._tokenizer)
         self._max_body_bytes = max_body_bytes
@@ -429,15 +430,15 @@ class Ingress:
         formatter_cls = ChatFormatter if chat else CompletionFormatter
         formatter = formatter_cls(request_id, self._served_model_name, int(time.time()),
                                   include_usage=req.include_usage)
-        token_text = self._token_text if params.logprobs is not None else None
+        labels = self._token_labels if params.logprobs is not None else None
         if req.stream:
-            events = sse_events(relays, formatter, chat, token_text, self._metrics, started_at,
+            events = sse_events(relays, formatter, chat, labels, self._metrics, started_at,
                                 len(prompt_ids))
             return SSEResponse(events, media_type="text/event-stream",
                                headers={**SSE_HEADERS, **timing},
                                on_end=lambda: abort_all(relays))
         return JSONResponse(await json_answer(relays, runs.open_again, formatter, chat,
-                                              token_text, len(prompt_ids),
+                                              labels, len(prompt_ids),
                                               metrics=self._metrics),
                             headers=timing)
 

@@ -129,6 +129,31 @@ class ChatFormatter(_Formatter):
 TokenText = Callable[[int], str]
 
 
+class TokenLabels:
+    """How logprobs name a token: its text, and the bytes it adds to a decode.
+
+    The bytes are not the text's encoding: a byte-level token may hold part of a
+    UTF-8 character (an emoji is often two or three tokens), whose text alone
+    decodes to U+FFFD. Chat's `bytes` field exists so that a client can join those
+    parts back into the character, so it carries the token's own bytes;
+    `token_bytes` returns None where the tokenizer's decoder cannot be mapped to
+    bytes, and the text's encoding stands in.
+    """
+
+    __slots__ = ("text", "_token_bytes")
+
+    def __init__(self, text: TokenText,
+                 token_bytes: Callable[[int], bytes | None] | None = None) -> None:
+        self.text = text
+        self._token_bytes = token_bytes
+
+    def utf8(self, token_id: int, text: str) -> list[int]:
+        """`token_id`'s bytes as the list of ints chat's logprobs carry; `text` is
+        its text, already looked up."""
+        raw = self._token_bytes(token_id) if self._token_bytes is not None else None
+        return list(text.encode("utf-8", "replace") if raw is None else raw)
+
+
 def completion_logprobs(token_ids: list[int], logprobs: list[float],
                         top_logprobs: list[list[tuple[int, float]]] | None,
                         token_text: TokenText, text_offset: int) -> dict:
@@ -147,15 +172,16 @@ def completion_logprobs(token_ids: list[int], logprobs: list[float],
 
 def chat_logprobs(token_ids: list[int], logprobs: list[float],
                   top_logprobs: list[list[tuple[int, float]]] | None,
-                  token_text: TokenText) -> dict:
+                  labels: TokenLabels) -> dict:
     """The chat API's logprobs object (`{"content": [...]}`) for some tokens."""
     content = []
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
-        tok = token_text(tid)
         alts = top_logprobs[i] if top_logprobs is not None and i < len(top_logprobs) else []
-        content.append({
-            "token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace")),
-            "top_logprobs": [{"token": token_text(t), "logprob": alp,
-                              "bytes": list(token_text(t).encode("utf-8", "replace"))}
-                             for t, alp in alts]})
+        content.append({**_chat_entry(labels, tid, lp),
+                        "top_logprobs": [_chat_entry(labels, t, alp) for t, alp in alts]})
     return {"content": content}
+
+
+def _chat_entry(labels: TokenLabels, token_id: int, logprob: float) -> dict:
+    text = labels.text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": labels.utf8(token_id, text)}

@@ -25,7 +25,7 @@ from starlette.responses import StreamingResponse
 from cluster.errors import ApiError, sse_error_event
 from cluster.api.choices import merged_text_deltas
 from cluster.transport.relay import Relay, aclosing, is_error
-from cluster.api.openai_events import DONE_EVENT, TokenText, chat_logprobs, completion_logprobs
+from cluster.api.openai_events import DONE_EVENT, TokenLabels, chat_logprobs, completion_logprobs
 from deltas.types import TextDelta
 
 logger = logging.getLogger("ray.serve")
@@ -57,13 +57,13 @@ def _finish_reason(text_delta: TextDelta) -> str | None:
     return None if reason is None else str(reason)
 
 
-def _logprobs(token_ids, logprobs, top_logprobs, chat: bool, token_text: TokenText,
+def _logprobs(token_ids, logprobs, top_logprobs, chat: bool, labels: TokenLabels,
               text_offset: int) -> dict | None:
     if logprobs is None:
         return None
     if chat:
-        return chat_logprobs(token_ids, logprobs, top_logprobs, token_text)
-    return completion_logprobs(token_ids, logprobs, top_logprobs, token_text, text_offset)
+        return chat_logprobs(token_ids, logprobs, top_logprobs, labels)
+    return completion_logprobs(token_ids, logprobs, top_logprobs, labels.text, text_offset)
 
 
 def count_tokens(metrics, num_prompt_tokens: int, num_output_tokens: int) -> None:
@@ -159,7 +159,7 @@ def abort_all(relays: list[Relay]) -> None:
         relay.abort()
 
 
-async def sse_events(relays: list[Relay], formatter, chat: bool, token_text: TokenText | None,
+async def sse_events(relays: list[Relay], formatter, chat: bool, labels: TokenLabels | None,
                      metrics, started_at: float, num_prompt_tokens: int) -> AsyncIterator[bytes]:
     """The events of the request whose choices `relays` read (one per choice);
     usage counts the prompt once and every choice's output tokens. Each item is one
@@ -179,9 +179,9 @@ async def sse_events(relays: list[Relay], formatter, chat: bool, token_text: Tok
                     yield sse_error_event(_engine_failure(td, relays[i]))
                     return
                 logprobs = None
-                if token_text is not None and td.token_ids:
+                if labels is not None and td.token_ids:
                     logprobs = _logprobs(td.token_ids, td.logprobs, td.top_logprobs, chat,
-                                         token_text, text_offsets[i])
+                                         labels, text_offsets[i])
                 text_offsets[i] += len(td.text)
                 num_output_tokens[i] = td.num_output_tokens
                 num_unfinished -= td.finish_reason is not None
@@ -229,18 +229,18 @@ class _ChoiceText:
             self.top_logprobs.extend(td.top_logprobs or [])
         self.last = td
 
-    def choice(self, index: int, formatter, chat: bool, token_text: TokenText | None) -> dict:
+    def choice(self, index: int, formatter, chat: bool, labels: TokenLabels | None) -> dict:
         last = self.last
         lp = None
-        if token_text is not None:
+        if labels is not None:
             lp = _logprobs(self.token_ids, self.logprobs, self.top_logprobs or None, chat,
-                           token_text, 0)
+                           labels, 0)
         return formatter.choice(index, "".join(self.texts), _finish_reason(last),
                                 last.stop_reason, lp)
 
 
 async def json_answer(relays: list[Relay], reopen: Callable[[int], Awaitable[list[Relay]]],
-                      formatter, chat: bool, token_text: TokenText | None,
+                      formatter, chat: bool, labels: TokenLabels | None,
                       num_prompt_tokens: int, metrics=None) -> dict:
     """The body of the request whose choices `relays` read; where a replica is lost
     mid-answer, `reopen(run)` opens the choices again (run 1, ...: its relays get no
@@ -250,7 +250,7 @@ async def json_answer(relays: list[Relay], reopen: Callable[[int], Awaitable[lis
         retry_lost = (run < MAX_LOST_ANSWER_RETRIES
                       and not any(relay.num_replica_losses for relay in relays))
         try:
-            return await json_body(relays, formatter, chat, token_text, num_prompt_tokens,
+            return await json_body(relays, formatter, chat, labels, num_prompt_tokens,
                                    metrics, retry_lost=retry_lost)
         except AnswerLost:
             logger.warning("an engine replica was lost while answering %s: running it again",
@@ -263,7 +263,7 @@ async def json_answer(relays: list[Relay], reopen: Callable[[int], Awaitable[lis
     raise AssertionError("unreachable: the last run raises the loss as a 503")
 
 
-async def json_body(relays: list[Relay], formatter, chat: bool, token_text: TokenText | None,
+async def json_body(relays: list[Relay], formatter, chat: bool, labels: TokenLabels | None,
                     num_prompt_tokens: int, metrics=None, retry_lost: bool = False) -> dict:
     """The body of the request whose choices `relays` read (one per choice).
     `retry_lost`: a replica lost mid-answer raises `AnswerLost` (and counts no
@@ -278,7 +278,7 @@ async def json_body(relays: list[Relay], formatter, chat: bool, token_text: Toke
                     if lost:
                         raise AnswerLost()
                     raise _engine_failure(td, relays[i])
-                choices[i].add(td, token_text is not None)
+                choices[i].add(td, labels is not None)
         # NOTE: merged_text_deltas ends once every choice has its finish
         answered = True
     finally:
@@ -287,6 +287,6 @@ async def json_body(relays: list[Relay], formatter, chat: bool, token_text: Toke
             num_output_tokens = (sum(c.last.num_output_tokens for c in choices)
                                  if answered else 0)
             count_tokens(metrics, num_prompt_tokens, num_output_tokens)
-    return formatter.response_of([c.choice(i, formatter, chat, token_text)
+    return formatter.response_of([c.choice(i, formatter, chat, labels)
                                   for i, c in enumerate(choices)],
                                  num_prompt_tokens, num_output_tokens)

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from cluster.errors import ApiError, ReplicaOverloaded, replica_cause, sse_error_event
 from cluster.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                          validation_error_message)
-from cluster.api.openai_events import DONE_EVENT, ChatFormatter, CompletionFormatter, completion_logprobs
+from cluster.api.openai_events import (DONE_EVENT, ChatFormatter, CompletionFormatter, TokenLabels,
+                                       chat_logprobs, completion_logprobs)
 from deltas.types import FinishReason, TokenDelta
 
 
@@ -147,6 +148,32 @@ def test_completion_logprobs_offsets():
                              {1: "ab", 2: "c"}.__getitem__, text_offset=10)
     assert lp == {"tokens": ["ab", "c"], "token_logprobs": [-0.1, -0.2],
                   "top_logprobs": [{"ab": -0.1}, {"c": -0.2}], "text_offset": [10, 12]}
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "tiny"])
+def test_chat_logprob_bytes_are_each_tokens_own_and_join_into_the_text(model):
+    """An emoji spans several byte-level tokens, each of whose text alone is U+FFFD:
+    `bytes` carries the token's own bytes, so a client can join the character."""
+    from deltas.tokenization.tokenizer import Tokenizer
+    from replicas.checkpoints.presets import resolve_tokenizer_dir
+
+    tok = Tokenizer.from_dir(resolve_tokenizer_dir(model))
+    text = "ok \U0001F600 n\u00e9e \u4e2d\u6587"
+    ids = tok.encode(text, add_special_tokens=False)
+    labels = TokenLabels(lambda i: tok.decode([i], skip_special_tokens=False), tok.token_bytes)
+    lp = chat_logprobs(ids, [-0.5] * len(ids), [[(i, -0.5)] for i in ids], labels)
+    entries = lp["content"]
+    assert any(e["token"] == "\ufffd" for e in entries)  # some token holds part of a character
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == text
+    assert [e["top_logprobs"][0]["bytes"] for e in entries] == [e["bytes"] for e in entries]
+
+
+def test_chat_logprob_bytes_fall_back_to_the_texts_encoding():
+    """Where the decoder cannot be mapped to bytes (token_bytes gives None)."""
+    labels = TokenLabels({7: "h\u00e9"}.__getitem__, lambda i: None)
+    entry = chat_logprobs([7], [-0.1], None, labels)["content"][0]
+    assert entry == {"token": "h\u00e9", "logprob": -0.1, "bytes": [104, 195, 169],
+                     "top_logprobs": []}
 
 
 def test_errors_have_openai_shape_and_retry_after():

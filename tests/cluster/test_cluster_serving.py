@@ -159,17 +159,33 @@ def test_chat_stream_with_include_usage_equals_non_stream_and_offline(client, of
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_logprobs_one_per_token(client):
+def test_logprobs_one_per_token(client, offline, tokenizer):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
                                     logprobs=2)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens == 6
     assert all(v <= 0.0 for v in lp.token_logprobs)
     assert all(len(top) >= 1 for top in lp.top_logprobs)
+    messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
-                                          messages=[{"role": "user", "content": "hi"}],
-                                          logprobs=True, top_logprobs=2)
+                                          messages=messages, logprobs=True, top_logprobs=2)
     assert len(chat.choices[0].logprobs.content) == 4
+    # Streamed, each token's `bytes` are its own, also where it holds part of a UTF-8
+    # character (its text alone is U+FFFD): logit_bias lifts the byte tokens of an emoji.
+    emoji_ids = tokenizer.encode("\U0001F600", add_special_tokens=False)
+    assert len(emoji_ids) > 1
+    bias = {i: 100.0 for i in emoji_ids}
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages),
+                                  add_special_tokens=False)
+    (_, ref_ids), = reference(offline, tokenizer, [prompt_ids], temperature=0.0, max_tokens=12,
+                              logit_bias=tuple(bias.items()))
+    chunks = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0,
+                                            messages=messages, logprobs=True, stream=True,
+                                            logit_bias={str(i): b for i, b in bias.items()})
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert set(ref_ids) <= set(emoji_ids) and {e.token for e in entries} == {"\ufffd"}
+    assert [e.bytes for e in entries] == [list(tokenizer.token_bytes(t)) for t in ref_ids]
 
 
 def test_64_concurrent_streams_each_equal_offline(server, offline, tokenizer):
