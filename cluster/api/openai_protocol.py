@@ -335,12 +335,21 @@ class ChatCompletionRequest(_SamplingFields):
                  "content": m.text()} for m in self.messages]
 
 
+_UNPAIRED_SURROGATE = (" (a \\uD800-\\uDBFF escape must be followed by a \\uDC00-\\uDFFF one:"
+                       " text cannot hold an unpaired UTF-16 surrogate)")
+
+
 def validation_error_message(err: ValidationError) -> tuple[str, str | None]:
     """(message, param) for the first problem pydantic found, OpenAI style."""
     first = err.errors(include_url=False)[0]
     kind = first.get("type", "")
     if kind == "json_invalid":
-        return f"Invalid JSON body: {first.get('msg', '')}", None
+        msg = first.get("msg", "")
+        if "hex escape" in msg:
+            # NOTE: the parser's words for a \uD800-\uDFFF escape without its pair
+            # ("unexpected end of hex escape", "lone leading surrogate") name no rule
+            msg += _UNPAIRED_SURROGATE
+        return f"Invalid JSON body: {msg}", None
     loc = [str(part) for part in first.get("loc", ()) if isinstance(part, (str, int))]
     # Union members appear in `loc` as type names ("str", "list[int]"); drop them.
     loc = [part for part in loc if "[" not in part and part not in ("str", "int", "float",

@@ -83,6 +83,17 @@ def test_invalid_json_nan_and_non_objects_are_rejected():
     assert _error(CompletionRequest, b"[" * 1000 + b"]" * 1000)[0].startswith("Invalid JSON")
 
 
+@pytest.mark.parametrize("escape", [rb"\ud800", rb"\ud800b", rb"\udc00", rb"\ud800\u0041"])
+def test_an_unpaired_surrogate_escape_is_refused_with_the_rule(escape):
+    """Text cannot hold half of a UTF-16 pair (the tokenizer has no bytes for it); the
+    parser's own words for it ("unexpected end of hex escape") name no rule."""
+    message, param = _error(CompletionRequest, b'{"model":"m","prompt":"a' + escape + b'"}')
+    assert message.startswith("Invalid JSON body") and param is None
+    assert "must be followed by a \\uDC00-\\uDFFF one" in message
+    assert _error(CompletionRequest, rb'{"model":"m","prompt":"a\u12"}')[0] == \
+        "Invalid JSON body: Invalid JSON: invalid escape at line 1 column 29"
+
+
 def test_chat_request_fields():
     r = _parse(ChatCompletionRequest, {
         "model": "m", "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3,
