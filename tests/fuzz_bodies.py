@@ -95,7 +95,11 @@ _BAD_COMPLETION = {
         st.lists(st.integers(min_value=VOCAB_SIZE), min_size=1, max_size=5),  # out of vocab
         st.lists(st.integers(max_value=-1), min_size=1, max_size=5),
         st.lists(_HUGE_INTS, min_size=1, max_size=3),
-        st.lists(st.text(min_size=1, max_size=5), min_size=2, max_size=4),  # several prompts
+        st.lists(st.text(min_size=1, max_size=5), min_size=129, max_size=131),  # > 128 choices
+        st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=3).map(
+            lambda batch: batch + [""]),  # a batch with an empty prompt
+        st.lists(st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=3), min_size=1,
+                 max_size=3).map(lambda batch: batch + [[VOCAB_SIZE]]),  # one out of vocab
         st.lists(st.one_of(st.integers(0, 100), st.text(max_size=2)), min_size=2,
                  max_size=4).filter(lambda v: len({type(x) for x in v}) > 1),
         st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=MAX_MODEL_LEN,

@@ -1,5 +1,6 @@
-"""The runs of one request's choices: the first, and one more where a non-streamed
-answer lost its engine replica mid-answer (cluster/api/response_writer.py).
+"""The runs of one request's choices (`n` for each of its prompts): the first, and
+one more where a non-streamed answer lost its engine replica mid-answer
+(cluster/api/response_writer.py).
 
 A run again opens every choice anew under engine request ids of its own
 (`<id>~r<run>`, its choices `<id>~r<run>-<i>`), so whatever the lost replica still
@@ -27,14 +28,14 @@ from replicas.config import SamplingParams  # plain data: no torch
 
 
 class ChoiceRuns:
-    def __init__(self, engine_stream, hub: ChannelHub, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, n: int, new_text_stream: Callable[[], object],
-                 gate: PendingGate, timeout_s: float | None,
-                 queue_timeout_s: float | None) -> None:
+    def __init__(self, engine_stream, hub: ChannelHub, request_id: str,
+                 prompts: list[list[int]], params: SamplingParams, n: int,
+                 new_text_stream: Callable[[], object], gate: PendingGate,
+                 timeout_s: float | None, queue_timeout_s: float | None) -> None:
         self._engine_stream = engine_stream
         self._hub = hub
         self._request_id = request_id
-        self._prompt_ids = prompt_ids
+        self._prompts = prompts
         self._params = params
         self._n = n
         self._new_text_stream = new_text_stream
@@ -77,11 +78,11 @@ class ChoiceRuns:
             self._gate.leave()
 
     def _open(self, engine_id: str, queue_timeout_s: float | None, **relay_options):
-        requests = choice_requests(engine_id, self._prompt_ids, self._params, self._hub.owner,
+        requests = choice_requests(engine_id, self._prompts, self._params, self._hub.owner,
                                    self._n)
         return open_relays(self._engine_stream, self._hub, requests, self._new_text_stream,
                            timeout_s=self._timeout_s, queue_timeout_s=queue_timeout_s,
-                           **relay_options)
+                           n=self._n, **relay_options)
 
     def _timed_out(self) -> ApiError:
         return ApiError(504, f"The request timed out: its engine replica was lost while it "

@@ -1,17 +1,20 @@
-"""The `n` choices of one request: n engine requests, admitted together, read as one.
+"""The choices of one request: `n` for each of its prompts (completions take a
+batch of prompts), each an engine request, admitted together and read as one.
 
-Each choice is an engine request of its own (`<id>-<i>`, the seed + i when a seed
-is given, so seeded choices differ and each is reproducible), so the engine's
-queue bounds, routing and aborts count and treat every one. The first choice is
-admitted alone and the rest once it has its first token: its prompt's full KV
-blocks are then in the prefix cache, and the others prefill only what is past
-them (cluster/transport/prefix_affinity.py sends them to the same replica). A refusal of any
-choice is the request's answer at once and aborts the others; a client gone while
-they open aborts every one admitted.
+Each choice is an engine request of its own (`<id>-<k>`, k = prompt index x n +
+choice index, OpenAI's and vLLM's order; the seed + the choice's index within its
+prompt when a seed is given, so seeded choices differ and a prompt's choices are
+the same in a batch as alone), so the engine's queue bounds, routing and aborts
+count and treat every one. Each prompt's first choice is admitted first (a batch's
+first choices together) and the rest once those have their first tokens: each
+prompt's full KV blocks are then in the prefix cache, and its other choices
+prefill only what is past them (cluster/transport/prefix_affinity.py sends them to
+the same replica). A refusal of any choice is the request's answer at once and
+aborts the others; a client gone while they open aborts every one admitted.
 
 `merged_text_deltas` interleaves the choices' text deltas as they come, each with
 its index; each choice's deltas still merge in its collector while the reader is
-behind. Closing it (a client gone, an error) closes every choice's relay, so all n
+behind. Closing it (a client gone, an error) closes every choice's relay, so all
 are aborted on their replicas.
 """
 from __future__ import annotations
@@ -26,24 +29,24 @@ from deltas.types import TextDelta
 from replicas.config import INT64_MAX, SamplingParams  # plain data: no torch
 
 
-def choice_requests(request_id: str, prompt_ids: list[int], params: SamplingParams,
+def choice_requests(request_id: str, prompts: list[list[int]], params: SamplingParams,
                     owner: str, n: int) -> list[EngineRequest]:
-    if n == 1:
-        return [EngineRequest(request_id, prompt_ids, params, owner)]
-    requests = []
-    for i in range(n):
-        choice_params = params
-        if params.seed is not None:
-            choice_params = params.with_seed((params.seed + i) % (INT64_MAX + 1))
-        requests.append(EngineRequest(f"{request_id}-{i}", prompt_ids, choice_params, owner))
-    return requests
+    """`n` engine requests for each prompt, prompt by prompt."""
+    if len(prompts) == 1 and n == 1:
+        return [EngineRequest(request_id, prompts[0], params, owner)]
+    choice_params = [params if params.seed is None or i == 0 else
+                     params.with_seed((params.seed + i) % (INT64_MAX + 1)) for i in range(n)]
+    return [EngineRequest(f"{request_id}-{p * n + i}", prompt_ids, choice_params[i], owner)
+            for p, prompt_ids in enumerate(prompts) for i in range(n)]
 
 
 async def open_relays(engine_stream, hub: ChannelHub, requests: list[EngineRequest],
                       new_text_stream: Callable[[], object], timeout_s: float | None = None,
-                      queue_timeout_s: float | None = None, **relay_options) -> list[Relay]:
-    """One open relay per request, in order (`relay_options`: `Relay.open`'s). On the
-    first refusal (ApiError), or when cancelled (the client left), the opens still
+                      queue_timeout_s: float | None = None, n: int | None = None,
+                      **relay_options) -> list[Relay]:
+    """One open relay per request, in order (`relay_options`: `Relay.open`'s);
+    `requests` are `n` choices per prompt (None: one prompt's). On the first
+    refusal (ApiError), or when cancelled (the client left), the opens still
     waiting stop and every request already admitted is aborted; then the refusal
     (or the cancel) is raised."""
     async def open_one(index: int, request: EngineRequest) -> Relay:
@@ -53,24 +56,40 @@ async def open_relays(engine_stream, hub: ChannelHub, requests: list[EngineReque
                                 timeout_s=timeout_s, queue_timeout_s=queue_timeout_s,
                                 **relay_options)
 
-    first = await open_one(0, requests[0])
-    if len(requests) == 1:
-        return [first]
+    n = n or len(requests)
+    firsts = [(i, r) for i, r in enumerate(requests) if i % n == 0]
+    if len(firsts) == 1:
+        relays = {0: await open_one(0, requests[0])}
+    else:
+        relays = await _open_together(open_one, firsts)
+    rest = [(i, r) for i, r in enumerate(requests) if i % n]
+    if rest:
+        try:
+            relays.update(await _open_together(open_one, rest))
+        except BaseException:
+            for relay in relays.values():
+                relay.abort()
+            raise
+    return [relays[i] for i in range(len(requests))]
+
+
+async def _open_together(open_one, indexed: list[tuple[int, EngineRequest]]) -> dict[int, Relay]:
+    """Open every (index, request) at once; on a refusal or a cancel, stop the opens
+    still waiting, abort the ones admitted, and raise it."""
     # NOTE: each task runs with a copy of this context (its own internal request id)
-    rest = [asyncio.ensure_future(open_one(i, r)) for i, r in enumerate(requests) if i]
+    tasks = {i: asyncio.ensure_future(open_one(i, r)) for i, r in indexed}
     try:
-        await asyncio.wait(rest, return_when=asyncio.FIRST_EXCEPTION)
-        refusal = next((t.exception() for t in rest
+        await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+        refusal = next((t.exception() for t in tasks.values()
                         if t.done() and not t.cancelled() and t.exception()), None)
         if refusal is None:
-            return [first] + [t.result() for t in rest]
+            return {i: t.result() for i, t in tasks.items()}
         raise refusal
     except BaseException:
-        for task in rest:
+        for task in tasks.values():
             task.cancel()  # an open cancelled midway closes its own relay
-        await asyncio.gather(*rest, return_exceptions=True)
-        first.abort()
-        for task in rest:
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        for task in tasks.values():
             if not task.cancelled() and task.exception() is None:
                 task.result().abort()
         raise

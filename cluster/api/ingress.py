@@ -186,25 +186,33 @@ def _sampling_params(req) -> SamplingParams:
         raise _bad_value(e) from None
 
 
-def _check_limits(limits: RequestLimits, prompt_ids: list[int], params: SamplingParams) -> int:
-    """The most output tokens the request may make; a 400 naming the field if the
-    model cannot run it (prompt ids, stop ids, prompt + max_tokens past the context)."""
-    try:
-        return limits.check(prompt_ids, params, must_fit=True)
-    except InvalidValue as e:
-        raise _bad_value(e) from None
+def _check_limits(limits: RequestLimits, prompts: list[list[int]],
+                  params: SamplingParams) -> list[int]:
+    """The most output tokens each prompt may make; a 400 naming the field (and a
+    batch's prompt) if the model cannot run one (prompt ids, stop ids, prompt +
+    max_tokens past the context)."""
+    most = []
+    for index, prompt_ids in enumerate(prompts):
+        try:
+            most.append(limits.check(prompt_ids, params, must_fit=True))
+        except InvalidValue as e:
+            error = _bad_value(e)
+            if len(prompts) > 1:
+                error.message = f"Prompt {index} of the batch: {error.message}"
+            raise error from None
+    return most
 
 
-def _prompt_chars(req, chat: bool) -> int:
-    """Characters the prompt holds at least (0 for token ids): a bound on its tokens.
-    A chat prompt counts each message's role, content and template framing, so
-    that many empty messages count too."""
+def _prompt_chars(req, chat: bool) -> list[int]:
+    """Characters each prompt holds at least (0 for token ids): a bound on its
+    tokens. A chat prompt counts each message's role, content and template framing,
+    so that many empty messages count too."""
     if chat:
         # NOTE: the fewest characters a chat template adds around a message besides
         # its role (ChatML adds 24, Llama 3 about 45, Mistral's [INST] 15 a turn).
         min_framing_chars = 2
-        return sum(len(m.role) + len(m.text()) + min_framing_chars for m in req.messages)
-    return len(req.prompt) if isinstance(req.prompt, str) else 0
+        return [sum(len(m.role) + len(m.text()) + min_framing_chars for m in req.messages)]
+    return [len(p) if isinstance(p, str) else 0 for p in req.prompts]
 
 
 def _max_token_chars(tokenizer) -> int | None:
@@ -407,18 +415,19 @@ class Ingress:
             num_chars = self._check_prompt_chars(req, chat, info["max_model_len"])
             if num_chars <= INLINE_TOKENIZE_CHARS and (not chat or len(req.messages)
                                                        <= INLINE_TEMPLATE_MESSAGES):
-                prompt_ids = self._prompt_ids(req, chat)
+                prompts = self._prompts_ids(req, chat)
             else:
                 # NOTE: off the event loop: a long prompt or chat template must not
                 # stall every other stream of this ingress.
-                prompt_ids = await asyncio.to_thread(self._prompt_ids, req, chat)
-            _check_limits(self._limits, prompt_ids, params)
+                prompts = await asyncio.to_thread(self._prompts_ids, req, chat)
+            _check_limits(self._limits, prompts, params)
+            num_prompt_tokens = sum(len(prompt_ids) for prompt_ids in prompts)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             started_at = time.monotonic()
-            # NOTE: n choices are n engine requests, bounded and aborted as n
-            # (cluster/api/choices.py)
+            # NOTE: each prompt's n choices are n engine requests, bounded and aborted
+            # as n (cluster/api/choices.py)
             runs = ChoiceRuns(
-                self._engine_stream, self._channels, request_id, prompt_ids, params, req.n,
+                self._engine_stream, self._channels, request_id, prompts, params, req.n,
                 lambda: TextStream(self._tokenizer, stop=req.stop_strings,
                                    include_stop_str_in_output=req.include_stop_str_in_output,
                                    skip_special_tokens=req.skip_special_tokens),
@@ -433,33 +442,37 @@ class Ingress:
         labels = self._token_labels if params.logprobs is not None else None
         if req.stream:
             events = sse_events(relays, formatter, chat, labels, self._metrics, started_at,
-                                len(prompt_ids))
+                                num_prompt_tokens)
             return SSEResponse(events, media_type="text/event-stream",
                                headers={**SSE_HEADERS, **timing},
                                on_end=lambda: abort_all(relays))
         return JSONResponse(await json_answer(relays, runs.open_again, formatter, chat,
-                                              labels, len(prompt_ids),
+                                              labels, num_prompt_tokens,
                                               metrics=self._metrics),
                             headers=timing)
 
     def _check_prompt_chars(self, req, chat: bool, max_model_len: int) -> int:
         """400 before tokenizing a prompt too long for the context whatever it holds;
-        else the characters it holds at least (`_prompt_chars`)."""
-        num_chars = _prompt_chars(req, chat)
+        else the characters the prompts hold at least (`_prompt_chars`)."""
+        prompt_chars = _prompt_chars(req, chat)
+        num_chars = max(prompt_chars)
         if self._max_token_chars is None:
-            return num_chars
+            return sum(prompt_chars)
         # NOTE: x4 headroom for normalizers that drop characters.
         max_chars = max_model_len * self._max_token_chars * 4
         if num_chars > max_chars:
+            which = ("The prompt" if len(prompt_chars) == 1 else
+                     f"Prompt {prompt_chars.index(num_chars)} of the batch")
             what = (f"The {len(req.messages)} messages make at least {num_chars} characters "
-                    "with the chat template" if chat else f"The prompt has {num_chars} characters")
+                    "with the chat template" if chat else f"{which} has {num_chars} characters")
             raise bad_request(
                 f"{what}, more than this model's maximum context length of {max_model_len} "
                 f"tokens can hold (at most {max_chars} characters). Please shorten the prompt.",
                 "messages" if chat else "prompt", "context_length_exceeded")
-        return num_chars
+        return sum(prompt_chars)
 
-    def _prompt_ids(self, req, chat: bool) -> list[int]:
+    def _prompts_ids(self, req, chat: bool) -> list[list[int]]:
+        """The token ids of each prompt: chat's one, or a completions batch's."""
         if chat:
             try:
                 messages = req.template_messages(self._developer_role)
@@ -467,10 +480,9 @@ class Ingress:
                     messages, add_generation_prompt=req.add_generation_prompt)
             except Exception as e:
                 raise bad_request(f"Could not apply the chat template: {e}", "messages") from None
-            return self._tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(req.prompt, str):
-            return self._tokenizer.encode(req.prompt, add_special_tokens=True)
-        return list(req.prompt)
+            return [self._tokenizer.encode(text, add_special_tokens=False)]
+        return [self._tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str)
+                else list(p) for p in req.prompts]
 
     async def _model_card(self) -> dict:
         card = {"id": self._served_model_name, "object": "model", "created": self._created,

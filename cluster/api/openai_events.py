@@ -54,7 +54,7 @@ class _Formatter:
 
     def response_of(self, choices: list[dict], num_prompt_tokens: int,
                     num_output_tokens: int) -> dict:
-        """The body of a request with `choices` (from `choice`); usage counts the
+        """The body of a request with `choices` (from `choice`); usage counts each
         prompt once and the output tokens of every choice."""
         return {"id": self.response_id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices,

@@ -206,6 +206,11 @@ class _SamplingFields(BaseModel):
         return engine_field
 
 
+def _is_batch(prompt) -> bool:
+    """A list of prompts, not one prompt's token ids."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+
+
 def _token_id_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
@@ -218,7 +223,8 @@ def _token_id_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 class CompletionRequest(_SamplingFields):
-    # A string, or token ids; a batch of one of either is accepted too.
+    # A string, or token ids, or a batch of either: each prompt gets `n` choices, at
+    # most MAX_CHOICES in all (each is an engine request). A batch of one is its prompt.
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
@@ -230,13 +236,28 @@ class CompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch's, in order."""
+        return list(self.prompt) if _is_batch(self.prompt) else [self.prompt]
+
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
-            prompt = prompt[0]
+    def _prompt_or_batch(cls, prompt, info: ValidationInfo):
+        if _is_batch(prompt):
+            if len(prompt) == 1:
+                prompt = prompt[0]
+            else:
+                # NOTE: `n` is declared (and checked) before `prompt`; absent if it failed
+                n = info.data.get("n", 1)
+                if len(prompt) * n > MAX_CHOICES:
+                    raise ValueError(f"a batch of {len(prompt)} prompts with n={n} makes "
+                                     f"{len(prompt) * n} choices; at most {MAX_CHOICES} are "
+                                     "allowed per request")
+                empty = next((i for i, p in enumerate(prompt) if not p), None)
+                if empty is not None:
+                    raise ValueError(f"prompt {empty} of the batch is empty")
+                return prompt
         if isinstance(prompt, (str, list)) and len(prompt) == 0:
             raise ValueError("prompt must not be empty")
         return prompt

@@ -162,11 +162,12 @@ def abort_all(relays: list[Relay]) -> None:
 async def sse_events(relays: list[Relay], formatter, chat: bool, labels: TokenLabels | None,
                      metrics, started_at: float, num_prompt_tokens: int) -> AsyncIterator[bytes]:
     """The events of the request whose choices `relays` read (one per choice);
-    usage counts the prompt once and every choice's output tokens. Each item is one
-    write: one step's chunk of one choice, or the `StreamEnd`.
+    usage counts each prompt once (`num_prompt_tokens`) and every choice's output
+    tokens. Each item is one write: one step's chunk of one choice, or the `StreamEnd`.
 
     NOTE: each choice has its own ITL and TPOT; the first choice's first token is
-    the request's (the others are admitted once it came: cluster/api/choices.py)."""
+    the request's (its prompt's other choices are admitted once it came:
+    cluster/api/choices.py)."""
     timings = [_Timing(metrics, started_at if i == 0 else None) for i in range(len(relays))]
     text_offsets = [0] * len(relays)
     num_output_tokens = [0] * len(relays)

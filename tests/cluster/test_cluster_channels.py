@@ -523,7 +523,7 @@ def _runs(engine, hub, tokenizer, request_id, n=1, gate=None, timeout_s=None):
     from cluster.api.choice_runs import ChoiceRuns
     from cluster.api.pending_gate import PendingGate
 
-    return ChoiceRuns(engine, hub, request_id, [5, 6], SamplingParams(max_tokens=16), n,
+    return ChoiceRuns(engine, hub, request_id, [[5, 6]], SamplingParams(max_tokens=16), n,
                       lambda: TextStream(tokenizer), gate or PendingGate(None), timeout_s,
                       None)
 

@@ -21,21 +21,77 @@ from replicas.config import INT64_MAX, InvalidValue, SamplingParams
 
 def test_one_engine_request_per_choice_with_its_own_seed():
     params = SamplingParams(seed=7, temperature=1.0, logit_bias={3: 1})
-    requests = choices.choice_requests("cmpl-x", [1, 2], params, "owner", 3)
+    requests = choices.choice_requests("cmpl-x", [[1, 2]], params, "owner", 3)
     assert [r.request_id for r in requests] == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2"]
     assert [r.sampling_params.seed for r in requests] == [7, 8, 9]
     assert all(r.prompt_token_ids == [1, 2] and r.sampling_params.logit_bias == ((3, 1.0),)
                for r in requests)
-    one, = choices.choice_requests("cmpl-x", [1, 2], params, "owner", 1)
+    one, = choices.choice_requests("cmpl-x", [[1, 2]], params, "owner", 1)
     assert one.request_id == "cmpl-x" and one.sampling_params == params
-    wrapped = choices.choice_requests("c", [1], SamplingParams(seed=INT64_MAX), "o", 2)
+    wrapped = choices.choice_requests("c", [[1]], SamplingParams(seed=INT64_MAX), "o", 2)
     assert [r.sampling_params.seed for r in wrapped] == [INT64_MAX, 0]
-    unseeded = choices.choice_requests("c", [1], SamplingParams(), "o", 2)
+    unseeded = choices.choice_requests("c", [[1]], SamplingParams(), "o", 2)
     assert all(r.sampling_params.seed is None for r in unseeded)
     # a choice's params are the request's, checked again only in their seed
     assert params.with_seed(12) == dataclasses.replace(params, seed=12)
     with pytest.raises(InvalidValue, match="seed"):
         params.with_seed(-1)
+
+
+def test_a_batch_has_n_choices_per_prompt_in_openai_order_seeded_as_alone():
+    params = SamplingParams(seed=7)
+    requests = choices.choice_requests("cmpl-x", [[1], [2, 3]], params, "owner", 2)
+    assert [(r.request_id, r.prompt_token_ids, r.sampling_params.seed) for r in requests] == [
+        ("cmpl-x-0", [1], 7), ("cmpl-x-1", [1], 8), ("cmpl-x-2", [2, 3], 7),
+        ("cmpl-x-3", [2, 3], 8)]
+    one_each = choices.choice_requests("c", [[1], [2], [3]], SamplingParams(), "o", 1)
+    assert [(r.request_id, r.prompt_token_ids) for r in one_each] == [
+        ("c-0", [1]), ("c-1", [2]), ("c-2", [3])]
+
+
+def test_a_batch_opens_each_prompts_first_choice_together_then_the_rest(monkeypatch):
+    """Every prompt's first choice waits for its first token at once (none waits
+    behind another prompt's prefill); the others follow, into that prefix's cache."""
+    order: list[tuple[str, str]] = []
+    waiting: set[str] = set()
+
+    async def fake_open(engine_stream, hub, request, text_stream, **kwargs):
+        rid = request.request_id
+        waiting.add(rid)
+        order.append(("open", rid))
+        await asyncio.sleep(0.01)
+        order.append(("first token", rid))
+        waiting.discard(rid)
+        return FakeRelay(rid, [])
+
+    monkeypatch.setattr(choices.Relay, "open", fake_open)
+    requests = choices.choice_requests("c", [[1], [2], [3]], SamplingParams(), "o", 2)
+    relays = asyncio.run(choices.open_relays(None, None, requests, lambda: None, n=2))
+    assert [r.request_id for r in relays] == [f"c-{k}" for k in range(6)]
+    opens = [rid for what, rid in order if what == "open"]
+    assert opens[:3] == ["c-0", "c-2", "c-4"] and sorted(opens[3:]) == ["c-1", "c-3", "c-5"]
+    assert order.index(("open", "c-4")) < order.index(("first token", "c-0"))
+    firsts_done = max(order.index(("first token", f"c-{k}")) for k in (0, 2, 4))
+    assert all(order.index(("open", f"c-{k}")) > firsts_done for k in (1, 3, 5))
+
+
+@pytest.mark.parametrize("refused", ["-2", "-3"])
+def test_a_refused_choice_of_a_batch_aborts_every_admitted_one(monkeypatch, refused):
+    opened: list[FakeRelay] = []
+
+    async def fake_open(engine_stream, hub, request, text_stream, **kwargs):
+        if request.request_id.endswith(refused):
+            raise ApiError(429, "busy", code="overloaded")
+        relay = FakeRelay(request.request_id, [])
+        opened.append(relay)
+        return relay
+
+    monkeypatch.setattr(choices.Relay, "open", fake_open)
+    requests = choices.choice_requests("c", [[1], [2]], SamplingParams(), "o", 2)
+    with pytest.raises(ApiError):
+        asyncio.run(choices.open_relays(None, None, requests, lambda: None, n=2))
+    assert opened and all(r.aborted for r in opened)
+    assert refused not in [r.request_id[-2:] for r in opened]
 
 
 class FakeRelay:
@@ -116,7 +172,7 @@ def test_a_refused_choice_aborts_the_admitted_ones(monkeypatch):
         return relay
 
     monkeypatch.setattr(choices.Relay, "open", fake_open)
-    requests = choices.choice_requests("c", [1], SamplingParams(), "o", 4)
+    requests = choices.choice_requests("c", [[1]], SamplingParams(), "o", 4)
     with pytest.raises(ApiError) as e:
         asyncio.run(choices.open_relays(None, None, requests, lambda: None))
     assert e.value.status == 429
@@ -150,7 +206,7 @@ def _hanging_opens(monkeypatch, refuse_suffix: str | None = None):
 
 def test_a_refusal_is_answered_at_once_while_other_choices_wait(monkeypatch):
     opened, cancelled = _hanging_opens(monkeypatch, refuse_suffix="-3")
-    requests = choices.choice_requests("c", [1], SamplingParams(), "o", 4)
+    requests = choices.choice_requests("c", [[1]], SamplingParams(), "o", 4)
 
     async def run():
         return await asyncio.wait_for(choices.open_relays(None, None, requests, lambda: None), 5)
@@ -164,7 +220,7 @@ def test_a_refusal_is_answered_at_once_while_other_choices_wait(monkeypatch):
 
 def test_a_client_gone_while_choices_open_aborts_the_ones_admitted(monkeypatch):
     opened, cancelled = _hanging_opens(monkeypatch)
-    requests = choices.choice_requests("c", [1], SamplingParams(), "o", 3)
+    requests = choices.choice_requests("c", [[1]], SamplingParams(), "o", 3)
 
     async def run():
         task = asyncio.ensure_future(choices.open_relays(None, None, requests, lambda: None))
@@ -303,7 +359,7 @@ def test_each_choice_is_routed_under_an_internal_request_id_of_its_own(monkeypat
     async def run():
         context._set_request_context(request_id="req", _internal_request_id="abc")
         await choices.open_relays(None, None, choices.choice_requests(
-            "c", [1], SamplingParams(), "o", 3), lambda: None)
+            "c", [[1]], SamplingParams(), "o", 3), lambda: None)
         return context._get_serve_request_context()._internal_request_id
 
     assert asyncio.run(run()) == "abc"  # the request's own context is untouched

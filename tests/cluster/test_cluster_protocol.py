@@ -55,7 +55,11 @@ def test_completion_request_accepts_openai_shapes():
     ({"model": "m"}, "prompt"),
     ({"model": "m", "prompt": 5}, "prompt"),
     ({"model": "m", "prompt": ""}, "prompt"),
-    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": ["a", ""]}, "prompt"),
+    ({"model": "m", "prompt": [[1], []]}, "prompt"),
+    ({"model": "m", "prompt": ["a"] * 129}, "prompt"),
+    ({"model": "m", "prompt": ["a", "b"], "n": 65}, "prompt"),
+    ({"model": "m", "prompt": ["a", [1]]}, "prompt"),
     ({"model": "m", "prompt": "x", "max_tokens": "10"}, "max_tokens"),
     ({"model": "m", "prompt": "x", "max_tokens": 1.5}, "max_tokens"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
@@ -288,20 +292,26 @@ def test_context_check_says_the_limits():
     from replicas.request_validation import RequestLimits
 
     limits = RequestLimits(vocab_size=8192, max_model_len=100, eos_token_ids=(2,))
-    assert _check_limits(limits, [1] * 10, SamplingParams(max_tokens=None)) == 90
-    assert _check_limits(limits, [1] * 10, SamplingParams(max_tokens=90)) == 90
+    assert _check_limits(limits, [[1] * 10], SamplingParams(max_tokens=None)) == [90]
+    assert _check_limits(limits, [[1] * 10], SamplingParams(max_tokens=90)) == [90]
+    assert _check_limits(limits, [[1] * 10, [1] * 30], SamplingParams(max_tokens=None)) == [90, 70]
     with pytest.raises(ApiError) as info:
-        _check_limits(limits, [1] * 10, SamplingParams(max_tokens=91))
+        _check_limits(limits, [[1] * 10], SamplingParams(max_tokens=91))
     assert info.value.status == 400 and "100" in info.value.message and "101" in info.value.message
     assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
+    assert not info.value.message.startswith("Prompt")
     with pytest.raises(ApiError) as info:
-        _check_limits(limits, [1] * 100, SamplingParams(max_tokens=1))
+        _check_limits(limits, [[1] * 100], SamplingParams(max_tokens=1))
     assert info.value.param == "prompt"
     for prompt, params, param in (([1, 8192], SamplingParams(), "prompt"),
                                   ([1], SamplingParams(stop_token_ids=[8192]), "stop_token_ids")):
         with pytest.raises(ApiError) as info:
-            _check_limits(limits, prompt, params)
+            _check_limits(limits, [prompt], params)
         assert info.value.param == param and "8192" in info.value.message
+    # a batch's refusal names the prompt
+    with pytest.raises(ApiError) as info:
+        _check_limits(limits, [[1], [1] * 100, [1, 8192]], SamplingParams(max_tokens=1))
+    assert info.value.param == "prompt" and info.value.message.startswith("Prompt 1 of the batch: ")
 
 
 def test_a_developer_message_takes_the_system_prompts_place():
@@ -341,7 +351,7 @@ def test_chat_length_bound_counts_every_message_before_the_template():
         {"role": "system", "content": ""}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]})
     rendered = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=False)
-    assert 3 < _prompt_chars(req, True) <= len(rendered)
+    assert 3 < _prompt_chars(req, True)[0] <= len(rendered)
     # A body at the size limit of nothing but empty messages (an assistant's may
     # leave its content out): 400 before the template and the tokenizer (seconds of
     # CPU for 1.3M tokens) run.
@@ -357,6 +367,16 @@ def test_chat_length_bound_counts_every_message_before_the_template():
     assert info.value.status == 400 and info.value.param == "messages"
     assert info.value.code == "context_length_exceeded"
     assert f"{num_messages} messages" in info.value.message
+    # a completions batch: each prompt is bounded, the refusal names the one past it
+    max_chars = max_model_len * ingress._max_token_chars * 4
+    batch = _parse(CompletionRequest, {"model": "tiny", "prompt": ["hi", "x" * (max_chars + 1)]})
+    with pytest.raises(ApiError) as info:
+        Ingress.func_or_class._check_prompt_chars(ingress, batch, False, max_model_len)
+    assert info.value.param == "prompt"
+    assert info.value.message.startswith(f"Prompt 1 of the batch has {max_chars + 1} characters")
+    fits = _parse(CompletionRequest, {"model": "tiny", "prompt": ["hi", "x" * max_chars]})
+    assert Ingress.func_or_class._check_prompt_chars(ingress, fits, False, max_model_len) == \
+        2 + max_chars
 
 
 def test_each_request_counts_one_status_a_client_gone_before_its_answer_499():

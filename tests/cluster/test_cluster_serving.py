@@ -586,6 +586,46 @@ def test_n_seeded_choices_share_the_prompt_and_equal_offline(client, offline, to
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 36)
 
 
+def test_a_batch_of_prompts_answers_n_seeded_choices_each_as_offline(client, server, offline,
+                                                                     tokenizer):
+    """`prompt` as a list (of token ids, or of strings): each prompt's `n` choices,
+    indexed prompt by prompt (as OpenAI and vLLM order them), each as the same prompt
+    alone; usage counts each prompt once; one prompt past the context refuses the
+    whole batch, naming it."""
+    prompts = ["The owl said", "A long road went over the hills and"]
+    token_prompt = tokenizer.encode("Far away in the north")
+    prompts_ids = [tokenizer.encode(p) for p in prompts] + [token_prompt]
+    refs = [reference(offline, tokenizer, [ids], temperature=1.0, seed=99 + i, max_tokens=6)[0]
+            for ids in prompts_ids for i in range(2)]
+    full = client.completions.create(model=MODEL, prompt=prompts_ids, n=2, max_tokens=6,
+                                     temperature=1.0, seed=99)
+    assert [c.index for c in full.choices] == list(range(6))
+    assert [c.text for c in full.choices] == [text for text, _ in refs]
+    assert full.usage.prompt_tokens == sum(len(ids) for ids in prompts_ids)
+    assert full.usage.completion_tokens == 36
+
+    texts, usage = {}, None
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6,
+                                           temperature=1.0, seed=99, stream=True,
+                                           stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {i: refs[i][0] for i in range(4)}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        sum(len(ids) for ids in prompts_ids[:2]), 24)
+
+    too_long = [1] * 3000  # past the context of 2,048
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=30, json={
+        "model": MODEL, "prompt": [prompts_ids[0], too_long], "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("Prompt 1 of the batch: ")
+    assert r.json()["error"]["param"] == "prompt"
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=30, json={
+        "model": MODEL, "prompt": ["a"] * 65, "n": 2, "max_tokens": 4})
+    assert r.status_code == 400 and "130 choices" in r.json()["error"]["message"], r.text
+
+
 def test_n_chat_choices_stream_and_not(client):
     messages = [{"role": "user", "content": "Tell me about foxes."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=3,
