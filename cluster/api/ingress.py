@@ -197,7 +197,8 @@ def _check_limits(limits: RequestLimits, prompts: list[list[int]],
             most.append(limits.check(prompt_ids, params, must_fit=True))
         except InvalidValue as e:
             error = _bad_value(e)
-            if len(prompts) > 1:
+            # NOTE: stop_token_ids and logit_bias are the request's, not the prompt's
+            if len(prompts) > 1 and e.param in ("prompt", "max_tokens"):
                 error.message = f"Prompt {index} of the batch: {error.message}"
             raise error from None
     return most

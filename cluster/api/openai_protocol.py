@@ -356,8 +356,8 @@ class ChatCompletionRequest(_SamplingFields):
                  "content": m.text()} for m in self.messages]
 
 
-_UNPAIRED_SURROGATE = (" (a \\uD800-\\uDBFF escape must be followed by a \\uDC00-\\uDFFF one:"
-                       " text cannot hold an unpaired UTF-16 surrogate)")
+_UNPAIRED_SURROGATE = (" (\\uD800-\\uDFFF escapes come in pairs, a \\uD800-\\uDBFF then a"
+                       " \\uDC00-\\uDFFF: text cannot hold half of one)")
 
 
 def validation_error_message(err: ValidationError) -> tuple[str, str | None]:

@@ -75,6 +75,44 @@ def test_a_batch_opens_each_prompts_first_choice_together_then_the_rest(monkeypa
     assert all(order.index(("open", f"c-{k}")) > firsts_done for k in (1, 3, 5))
 
 
+@pytest.mark.parametrize("hanging, opened_ids", [
+    ("c-2", ["c-0"]),  # while the prompts' first choices open
+    ("c-3", ["c-0", "c-2", "c-1"]),  # while the others do
+])
+def test_a_client_gone_while_a_batch_opens_aborts_every_admitted_choice(monkeypatch, hanging,
+                                                                         opened_ids):
+    opened: list[FakeRelay] = []
+    cancelled: list[str] = []
+
+    async def fake_open(engine_stream, hub, request, text_stream, **kwargs):
+        rid = request.request_id
+        if rid == hanging:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(rid)
+                raise
+        relay = FakeRelay(rid, [])
+        opened.append(relay)
+        return relay
+
+    monkeypatch.setattr(choices.Relay, "open", fake_open)
+    requests = choices.choice_requests("c", [[1], [2]], SamplingParams(), "o", 2)
+
+    async def run():
+        task = asyncio.ensure_future(choices.open_relays(None, None, requests, lambda: None, n=2))
+        while len(opened) < len(opened_ids):
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert cancelled == [hanging]
+    assert [r.request_id for r in opened] == opened_ids and all(r.aborted for r in opened)
+
+
 @pytest.mark.parametrize("refused", ["-2", "-3"])
 def test_a_refused_choice_of_a_batch_aborts_every_admitted_one(monkeypatch, refused):
     opened: list[FakeRelay] = []

@@ -87,13 +87,14 @@ def test_invalid_json_nan_and_non_objects_are_rejected():
     assert _error(CompletionRequest, b"[" * 1000 + b"]" * 1000)[0].startswith("Invalid JSON")
 
 
-@pytest.mark.parametrize("escape", [rb"\ud800", rb"\ud800b", rb"\udc00", rb"\ud800\u0041"])
+@pytest.mark.parametrize("escape", [rb"\ud800", rb"\ud800b", rb"\udc00", rb"\udc00\ud800",
+                                    rb"\ud800\u0041"])
 def test_an_unpaired_surrogate_escape_is_refused_with_the_rule(escape):
     """Text cannot hold half of a UTF-16 pair (the tokenizer has no bytes for it); the
     parser's own words for it ("unexpected end of hex escape") name no rule."""
     message, param = _error(CompletionRequest, b'{"model":"m","prompt":"a' + escape + b'"}')
     assert message.startswith("Invalid JSON body") and param is None
-    assert "must be followed by a \\uDC00-\\uDFFF one" in message
+    assert "escapes come in pairs, a \\uD800-\\uDBFF then a \\uDC00-\\uDFFF" in message
     assert _error(CompletionRequest, rb'{"model":"m","prompt":"a\u12"}')[0] == \
         "Invalid JSON body: Invalid JSON: invalid escape at line 1 column 29"
 
@@ -312,6 +313,10 @@ def test_context_check_says_the_limits():
     with pytest.raises(ApiError) as info:
         _check_limits(limits, [[1], [1] * 100, [1, 8192]], SamplingParams(max_tokens=1))
     assert info.value.param == "prompt" and info.value.message.startswith("Prompt 1 of the batch: ")
+    # ... but not a refusal of the request's own fields
+    with pytest.raises(ApiError) as info:
+        _check_limits(limits, [[1], [2]], SamplingParams(stop_token_ids=[8192]))
+    assert info.value.param == "stop_token_ids" and not info.value.message.startswith("Prompt")
 
 
 def test_a_developer_message_takes_the_system_prompts_place():
