@@ -81,22 +81,7 @@ def test_a_batch_opens_each_prompts_first_choice_together_then_the_rest(monkeypa
 ])
 def test_a_client_gone_while_a_batch_opens_aborts_every_admitted_choice(monkeypatch, hanging,
                                                                          opened_ids):
-    opened: list[FakeRelay] = []
-    cancelled: list[str] = []
-
-    async def fake_open(engine_stream, hub, request, text_stream, **kwargs):
-        rid = request.request_id
-        if rid == hanging:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                cancelled.append(rid)
-                raise
-        relay = FakeRelay(rid, [])
-        opened.append(relay)
-        return relay
-
-    monkeypatch.setattr(choices.Relay, "open", fake_open)
+    opened, cancelled = _hanging_opens(monkeypatch, hangs=lambda rid: rid == hanging)
     requests = choices.choice_requests("c", [[1], [2]], SamplingParams(), "o", 2)
 
     async def run():
@@ -218,9 +203,11 @@ def test_a_refused_choice_aborts_the_admitted_ones(monkeypatch):
     assert all(r.aborted for r in opened)
 
 
-def _hanging_opens(monkeypatch, refuse_suffix: str | None = None):
-    """Relay.open stand-in: `-1` opens at once, `refuse_suffix` is refused at once,
-    the rest wait for their first token forever. (opened relays, cancelled opens)"""
+def _hanging_opens(monkeypatch, refuse_suffix: str | None = None,
+                   hangs=lambda rid: not rid.endswith(("-0", "-1"))):
+    """Relay.open stand-in: `refuse_suffix` is refused at once, the ids `hangs`
+    picks (all but `-0` and `-1`) wait for their first token forever, the rest open
+    at once. (opened relays, cancelled opens)"""
     opened: list[FakeRelay] = []
     cancelled: list[str] = []
 
@@ -228,7 +215,7 @@ def _hanging_opens(monkeypatch, refuse_suffix: str | None = None):
         rid = request.request_id
         if refuse_suffix and rid.endswith(refuse_suffix):
             raise ApiError(429, "busy", code="overloaded")
-        if not rid.endswith(("-0", "-1")):
+        if hangs(rid):
             try:
                 await asyncio.sleep(3600)
             except asyncio.CancelledError:
