@@ -88,11 +88,16 @@ async def _open_together(open_one, indexed: list[tuple[int, EngineRequest]]) -> 
     except BaseException:
         for task in tasks.values():
             task.cancel()  # an open cancelled midway closes its own relay
+            # NOTE: a callback, not a loop after the gather: a second cancel may cut
+            # the gather short, and every relay admitted must still be let go
+            task.add_done_callback(_abort_if_opened)
         await asyncio.gather(*tasks.values(), return_exceptions=True)
-        for task in tasks.values():
-            if not task.cancelled() and task.exception() is None:
-                task.result().abort()
         raise
+
+
+def _abort_if_opened(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().abort()
 
 
 def _own_serve_request_id(index: int) -> None:

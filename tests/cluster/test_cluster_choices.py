@@ -98,6 +98,27 @@ def test_a_client_gone_while_a_batch_opens_aborts_every_admitted_choice(monkeypa
     assert [r.request_id for r in opened] == opened_ids and all(r.aborted for r in opened)
 
 
+def test_a_second_cancel_while_opens_wind_down_still_aborts_every_admitted_choice(monkeypatch):
+    """A client gone twice over (Serve cancels, then shuts the replica down): the
+    relays admitted before it are aborted even though the wind-down was cut short."""
+    opened, cancelled = _hanging_opens(monkeypatch, hangs=lambda rid: rid == "c-2")
+    requests = choices.choice_requests("c", [[1], [2]], SamplingParams(), "o", 2)
+
+    async def run():
+        task = asyncio.ensure_future(choices.open_relays(None, None, requests, lambda: None, n=2))
+        while not opened:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.sleep(0)  # it is now winding the opens down
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert [r.request_id for r in opened] == ["c-0"] and opened[0].aborted
+
+
 @pytest.mark.parametrize("refused", ["-2", "-3"])
 def test_a_refused_choice_of_a_batch_aborts_every_admitted_one(monkeypatch, refused):
     opened: list[FakeRelay] = []
