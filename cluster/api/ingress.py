@@ -442,8 +442,10 @@ class Ingress:
                                   include_usage=req.include_usage)
         labels = self._token_labels if params.logprobs is not None else None
         if req.stream:
+            choice_prompt_tokens = ([len(p) for p in prompts for _ in range(req.n)]
+                                    if req.continuous_usage else None)
             events = sse_events(relays, formatter, chat, labels, self._metrics, started_at,
-                                num_prompt_tokens)
+                                num_prompt_tokens, choice_prompt_tokens)
             return SSEResponse(events, media_type="text/event-stream",
                                headers={**SSE_HEADERS, **timing},
                                on_end=lambda: abort_all(relays))

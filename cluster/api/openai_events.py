@@ -6,7 +6,9 @@ it runs for every event of every stream.
 
 Event order of a stream: text chunks (the last one of each choice carries its
 finish_reason; with n > 1 the choices' chunks interleave, each with its `index`), a
-usage chunk when `stream_options.include_usage`, then `data: [DONE]`. A stream that fails
+usage chunk when `stream_options.include_usage`, then `data: [DONE]`. With
+`continuous_usage_stats` too, each text chunk carries its choice's usage so far (its
+prompt's tokens, its output tokens), as vLLM's do. A stream that fails
 after its headers went out ends with an error event and no [DONE]
 (`cluster.errors.sse_error_event`).
 """
@@ -61,10 +63,16 @@ class _Formatter:
                 "usage": usage_dict(num_prompt_tokens, num_output_tokens)}
 
     def _choice_event(self, index: int, content: str, finish_reason, logprobs,
-                      stop_reason) -> bytes:
-        """One chunk event: `content` is the choice's text or delta field."""
+                      stop_reason, usage: tuple[int, int] | None) -> bytes:
+        """One chunk event: `content` is the choice's text or delta field; `usage`
+        (prompt tokens, output tokens so far) for continuous usage."""
         fields = _choice_fields(content, finish_reason, logprobs, stop_reason)
-        return sse_event(f"{self._chunk_head}{index},{fields}}}]{self._chunk_tail}")
+        tail = self._chunk_tail
+        if usage is not None:
+            prompt, output = usage
+            tail = (f',"usage":{{"prompt_tokens":{prompt},"completion_tokens":{output},'
+                    f'"total_tokens":{prompt + output}}}}}')
+        return sse_event(f"{self._chunk_head}{index},{fields}}}]{tail}")
 
 
 def _json(value) -> str:
@@ -85,9 +93,10 @@ class CompletionFormatter(_Formatter):
     chunk_object_name = "text_completion"
 
     def chunk_event(self, text: str, finish_reason: str | None = None,
-                    logprobs: dict | None = None, stop_reason=None, index: int = 0) -> bytes:
+                    logprobs: dict | None = None, stop_reason=None, index: int = 0,
+                    usage: tuple[int, int] | None = None) -> bytes:
         return self._choice_event(index, f'"text":{_dumps(text)}', finish_reason, logprobs,
-                                  stop_reason)
+                                  stop_reason, usage)
 
     @staticmethod
     def choice(index: int, text: str, finish_reason: str | None, stop_reason,
@@ -105,7 +114,8 @@ class ChatFormatter(_Formatter):
         self._role_sent_to: set[int] = set()  # choice indices
 
     def chunk_event(self, text: str, finish_reason: str | None = None,
-                    logprobs: dict | None = None, stop_reason=None, index: int = 0) -> bytes:
+                    logprobs: dict | None = None, stop_reason=None, index: int = 0,
+                    usage: tuple[int, int] | None = None) -> bytes:
         # NOTE: the role rides on each choice's first text chunk instead of an empty
         # chunk of its own, so the first event a client sees already carries a token.
         if index not in self._role_sent_to:
@@ -116,7 +126,7 @@ class ChatFormatter(_Formatter):
         else:
             delta = "{}"
         return self._choice_event(index, f'"delta":{delta}', finish_reason, logprobs,
-                                  stop_reason)
+                                  stop_reason, usage)
 
     @staticmethod
     def choice(index: int, text: str, finish_reason: str | None, stop_reason,

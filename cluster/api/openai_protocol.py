@@ -37,7 +37,8 @@ _ENGINE_DEFAULT = {f.name: f.default for f in dataclasses.fields(SamplingParams)
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # accepted for vLLM clients; ignored
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -156,6 +157,11 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk too (as vLLM: only with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -160,10 +160,13 @@ def abort_all(relays: list[Relay]) -> None:
 
 
 async def sse_events(relays: list[Relay], formatter, chat: bool, labels: TokenLabels | None,
-                     metrics, started_at: float, num_prompt_tokens: int) -> AsyncIterator[bytes]:
+                     metrics, started_at: float, num_prompt_tokens: int,
+                     choice_prompt_tokens: list[int] | None = None) -> AsyncIterator[bytes]:
     """The events of the request whose choices `relays` read (one per choice);
     usage counts each prompt once (`num_prompt_tokens`) and every choice's output
     tokens. Each item is one write: one step's chunk of one choice, or the `StreamEnd`.
+    `choice_prompt_tokens` (each choice's prompt tokens) asks for continuous usage:
+    each chunk with its choice's usage so far.
 
     NOTE: each choice has its own ITL and TPOT; the first choice's first token is
     the request's (its prompt's other choices are admitted once it came:
@@ -187,8 +190,10 @@ async def sse_events(relays: list[Relay], formatter, chat: bool, labels: TokenLa
                 num_output_tokens[i] = td.num_output_tokens
                 num_unfinished -= td.finish_reason is not None
                 if td.text or td.finish_reason is not None or logprobs is not None:
+                    usage = (None if choice_prompt_tokens is None else
+                             (choice_prompt_tokens[i], td.num_output_tokens))
                     event = formatter.chunk_event(td.text, _finish_reason(td), logprobs,
-                                                  td.stop_reason, i)
+                                                  td.stop_reason, i, usage)
                     timings[i].event()
                     if num_unfinished:
                         yield event

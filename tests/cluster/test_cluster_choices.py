@@ -345,6 +345,34 @@ def test_a_stream_of_three_choices_parses_with_the_openai_types(chat):
     assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens) == (5, 12)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_puts_each_choices_usage_so_far_on_its_chunks(chat):
+    """vLLM's continuous_usage_stats: each chunk carries its own choice's prompt
+    tokens (a batch's prompts differ) and output tokens so far; the last usage
+    chunk still sums the request."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletionChunk
+
+    formatter = (ChatFormatter if chat else CompletionFormatter)("id-1", "m", 1,
+                                                                  include_usage=True)
+
+    async def run():
+        return [e async for e in sse_events(_relays(), formatter, chat, None, None, 0.0, 12,
+                                            [5, 5, 7])]
+
+    events = [e for e in b"".join(asyncio.run(run())).split(b"\n\n") if e][:-1]
+    chunks = [_parse_chunk(ChatCompletionChunk if chat else Completion,
+                           json.loads(e[len(b"data: "):])) for e in events]
+    seen: dict[int, list[tuple[int, int]]] = {0: [], 1: [], 2: []}
+    for chunk in chunks[:-1]:
+        choice, = chunk.choices
+        seen[choice.index].append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+        assert chunk.usage.total_tokens == sum(seen[choice.index][-1])
+    assert seen == {i: [(5 if i < 2 else 7, k + 1) for k in range(3 + i)] for i in range(3)}
+    last = chunks[-1].usage
+    assert chunks[-1].choices == [] and (last.prompt_tokens, last.completion_tokens) == (12, 12)
+
+
 def test_an_error_in_one_choice_ends_the_stream_and_aborts_the_others():
     relays = _relays(pauses=(0.01, 0.0, 0.01))
     relays[1] = FakeRelay("r-1", [TextDelta("x"), TextDelta("", finish_reason=FinishReason.ERROR,

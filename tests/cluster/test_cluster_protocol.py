@@ -144,6 +144,19 @@ def test_completion_chunks_are_openai_shaped():
     assert DONE_EVENT == b"data: [DONE]\n\n"
     no_usage = json.loads(CompletionFormatter("c", "m", 1).chunk_event("x")[6:])
     assert "usage" not in no_usage
+    so_far = json.loads(fmt.chunk_event("x", "length", None, None, 2, (7, 4))[6:])
+    assert so_far["choices"][0]["index"] == 2 and so_far["usage"] == {
+        "prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+
+
+def test_continuous_usage_needs_include_usage_as_vllms_does():
+    def continuous(options):
+        return _parse(CompletionRequest, {"model": "m", "prompt": "x", "stream": True,
+                                          "stream_options": options}).continuous_usage
+
+    assert continuous({"include_usage": True, "continuous_usage_stats": True})
+    assert not continuous({"continuous_usage_stats": True})
+    assert not continuous({"include_usage": True})
 
 
 def test_chat_chunks_carry_role_first_then_content_then_empty_delta():

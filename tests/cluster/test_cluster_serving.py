@@ -626,6 +626,23 @@ def test_a_batch_of_prompts_answers_n_seeded_choices_each_as_offline(client, ser
     assert r.status_code == 400 and "130 choices" in r.json()["error"]["message"], r.text
 
 
+def test_continuous_usage_carries_each_chunks_count_so_far(client, offline, tokenizer):
+    """stream_options.continuous_usage_stats (vLLM's): every text chunk carries its
+    choice's prompt tokens and output tokens so far, ending at the output's length."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    (ref_text, ref_ids), = reference(offline, tokenizer, [prompt_ids], temperature=0.0,
+                                     max_tokens=10)
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == ref_text
+    counts = [c.usage.completion_tokens for c in text_chunks]
+    assert counts == sorted(counts) and counts[-1] == len(ref_ids) == 10
+    assert {c.usage.prompt_tokens for c in text_chunks} == {len(prompt_ids)}
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 10
+
+
 def test_n_chat_choices_stream_and_not(client):
     messages = [{"role": "user", "content": "Tell me about foxes."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=3,
