@@ -265,6 +265,7 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
 
     with busy_core():
         intake, running, sent, own_wait, waited = asyncio.run(run())
+    intake_sending_s = intake["last_sent"] - intake["first_sent"]
     intake, burst = intake["rows"], sent["rows"]
     assert {status for status, *_ in intake} <= {404, 429}
     gaps, server_gaps, covered = [], [], []
@@ -277,7 +278,11 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
         covered.append((min(r.event_times[-1], sent["last_sent"]) - sent["first_sent"])
                        / max(sent["last_sent"] - sent["first_sent"], 1e-9))
         assert r.event_times[0] < sent["first_sent"] and covered[-1] >= MIN_SENDING_COVERED, (
-            f"a running stream did not run through the burst ({covered[-1]:.0%} of its sending)")
+            f"a running stream did not run through the burst ({covered[-1]:.0%} of its sending): "
+            f"it streamed {r.event_times[-1] - r.event_times[0]:.2f} s from "
+            f"{sent['first_sent'] - r.event_times[0]:.2f} s before the sending, which took "
+            f"{sent['last_sent'] - sent['first_sent']:.2f} s (the intake's: "
+            f"{intake_sending_s:.2f} s)")
         gaps.append(max(b - a for a, b in zip(r.event_times, r.event_times[1:])))
         # NOTE: a gap is timed by this test's own loop, which shares the cores with the
         # busy loop and the server: alone here it once stalled 2.89 s, and the longest
