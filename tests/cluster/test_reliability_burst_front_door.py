@@ -63,7 +63,8 @@ RUNNING_STREAMS = 2
 # suite's other lanes a stream of 1,900 tokens once ended before half the burst was sent.
 RUNNING_TOKENS = 2000
 BURST_TOKENS = 16
-MIN_SENDING_COVERED = 1 / 3  # of the burst's sending, by each running stream
+MIN_SENDING_COVERED = 1 / 3  # of the burst's sending, by each running stream, or:
+MIN_LIFE_IN_SENDING = 1 / 2  # of each running stream's life, inside the sending
 RUNNING_FIRST_TOKEN_TIMEOUT_S = 60.0  # bounds a wait, times nothing
 INTAKE_FACTOR = 3.0
 PROMPT_REPEATS = 16  # about 120 tokens a prompt: a burst of real prompts
@@ -271,14 +272,21 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     gaps, server_gaps, covered = [], [], []
     for r in running:  # the streams already running complete at their pace
         assert r.status == 200 and r.done and not r.error_events, r.events[-2:]
-        # NOTE: through a third of the burst's sending at least: beside the suite's
-        # other lanes sending 800 requests took up to 8.4 s on one machine, about a
-        # stream's life; on another (AVX2) the longest stream tiny's context allows ran
-        # 10 s alone while the sending took 20 s, and ended 0.1 s before its half
-        covered.append((min(r.event_times[-1], sent["last_sent"]) - sent["first_sent"])
-                       / max(sent["last_sent"] - sent["first_sent"], 1e-9))
-        assert r.event_times[0] < sent["first_sent"] and covered[-1] >= MIN_SENDING_COVERED, (
-            f"a running stream did not run through the burst ({covered[-1]:.0%} of its sending): "
+        # NOTE: each running stream must live through the burst: a third of its sending
+        # at least, or half its own life inside the sending. Beside the suite's other
+        # lanes sending 800 requests took up to 8.4 s on one machine, about a stream's
+        # life; on another (AVX2) the longest stream tiny's context allows ran 10 s
+        # alone while the sending took 20 s, and ended 0.1 s before its half; on one
+        # with AVX-512 streams of 8-9 s met a sending of 8.5 s alone (the intake
+        # without the engine: 0.3 s), and beside the lanes a stream that began 0.2 s
+        # before the sending covered 9% of it.
+        overlap_s = min(r.event_times[-1], sent["last_sent"]) - sent["first_sent"]
+        covered.append(overlap_s / max(sent["last_sent"] - sent["first_sent"], 1e-9))
+        life_in_sending = overlap_s / max(r.event_times[-1] - r.event_times[0], 1e-9)
+        assert r.event_times[0] < sent["first_sent"] and (
+            covered[-1] >= MIN_SENDING_COVERED or life_in_sending >= MIN_LIFE_IN_SENDING), (
+            f"a running stream did not run through the burst ({covered[-1]:.0%} of its "
+            f"sending, {life_in_sending:.0%} of its life): "
             f"it streamed {r.event_times[-1] - r.event_times[0]:.2f} s from "
             f"{sent['first_sent'] - r.event_times[0]:.2f} s before the sending, which took "
             f"{sent['last_sent'] - sent['first_sent']:.2f} s (the intake's: "
