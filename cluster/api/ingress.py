@@ -458,16 +458,16 @@ class Ingress:
         """400 before tokenizing a prompt too long for the context whatever it holds;
         else the characters the prompts hold at least (`_prompt_chars`)."""
         prompt_chars = _prompt_chars(req, chat)
-        num_chars = max(prompt_chars)
         if self._max_token_chars is None:
-            return sum(prompt_chars)
+            return sum(prompt_chars)  # no bound to check
         # NOTE: x4 headroom for normalizers that drop characters.
         max_chars = max_model_len * self._max_token_chars * 4
-        if num_chars > max_chars:
+        longest = max(prompt_chars)
+        if longest > max_chars:
             which = ("The prompt" if len(prompt_chars) == 1 else
-                     f"Prompt {prompt_chars.index(num_chars)} of the batch")
-            what = (f"The {len(req.messages)} messages make at least {num_chars} characters "
-                    "with the chat template" if chat else f"{which} has {num_chars} characters")
+                     f"Prompt {prompt_chars.index(longest)} of the batch")
+            what = (f"The {len(req.messages)} messages make at least {longest} characters "
+                    "with the chat template" if chat else f"{which} has {longest} characters")
             raise bad_request(
                 f"{what}, more than this model's maximum context length of {max_model_len} "
                 f"tokens can hold (at most {max_chars} characters). Please shorten the prompt.",

@@ -67,11 +67,7 @@ class _Formatter:
         """One chunk event: `content` is the choice's text or delta field; `usage`
         (prompt tokens, output tokens so far) for continuous usage."""
         fields = _choice_fields(content, finish_reason, logprobs, stop_reason)
-        tail = self._chunk_tail
-        if usage is not None:
-            prompt, output = usage
-            tail = (f',"usage":{{"prompt_tokens":{prompt},"completion_tokens":{output},'
-                    f'"total_tokens":{prompt + output}}}}}')
+        tail = self._chunk_tail if usage is None else f',"usage":{_dumps(usage_dict(*usage))}}}'
         return sse_event(f"{self._chunk_head}{index},{fields}}}]{tail}")
 
 
