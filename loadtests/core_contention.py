@@ -32,7 +32,7 @@ NEIGHBOURS = ("python", "gemm step", "memory copy")
 COPY_BYTES = 64 * 1024 * 1024
 
 
-def usable_cores() -> list[int]:
+def usable_core_ids() -> list[int]:
     try:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -125,7 +125,7 @@ def measure(products: list[tuple[int, int, int]], batch: int, rounds: int = 3,
             seconds: float = 3.0) -> dict[str, dict]:
     """{row: {"steps_per_s", "x_alone", "rounds"}}: the step on the first usable core,
     alone and beside each neighbour on the second, interleaved round by round."""
-    cores = usable_cores()
+    cores = usable_core_ids()
     if len(cores) < 2:
         raise SystemExit(f"--contention needs two usable cores (Linux CPU affinity); this "
                          f"process may use {len(cores) or 'an unknown number of'}")

@@ -13,7 +13,7 @@ affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linu
 
 
 def _cores() -> int:
-    return len(core_contention.usable_cores())
+    return len(core_contention.usable_core_ids())
 
 
 @pytest.mark.slow
@@ -55,7 +55,7 @@ def test_a_neighbour_works_on_its_core_and_leaves_with_its_parent():
 
 
 def test_one_core_is_refused_with_a_reason(monkeypatch):
-    monkeypatch.setattr(core_contention, "usable_cores", lambda: [0])
+    monkeypatch.setattr(core_contention, "usable_core_ids", lambda: [0])
     with pytest.raises(SystemExit, match="needs two usable cores"):
         measure(TINY_STEP, batch=8)
 
