@@ -8,7 +8,10 @@ its first token within 2.5 s of its admission, the slowest too (the ingress's
 they grow by the ratio of the same burst's intake without the engine, measured
 before the burst, and after it too where a bound is missed: the slower of the two
 counts. The rest get 429 + Retry-After without waiting for a slot, from the ingress's
-own gate (cluster/api/pending_gate.py), before their body is read.
+own gate (cluster/api/pending_gate.py), before their body is read. A round whose
+running streams did not live through the burst's sending (on a loaded machine the
+burst can start late, or a stalled reader reads a stream in a clump) proves nothing
+and runs again, up to BURST_ROUNDS.
 
 Without the gate (`ingress_max_pending_requests: -1`) the same test fails: every
 request of the burst is parsed, tokenized and routed on the event loop that
@@ -65,6 +68,7 @@ RUNNING_TOKENS = 2000
 BURST_TOKENS = 16
 MIN_SENDING_COVERED = 1 / 3  # of the burst's sending, by each running stream, or:
 MIN_LIFE_IN_SENDING = 1 / 2  # of each running stream's life, inside the sending
+BURST_ROUNDS = 3  # rounds whose running streams did not live through the burst void
 RUNNING_FIRST_TOKEN_TIMEOUT_S = 60.0  # bounds a wait, times nothing
 INTAKE_FACTOR = 3.0
 PROMPT_REPEATS = 16  # about 120 tokens a prompt: a burst of real prompts
@@ -227,9 +231,42 @@ class _ReadyBurst:
         assert self.proc.stdout.readline().strip() == "ready", self.proc.stderr.read()[-3000:]
 
     def send(self) -> dict:
+        told_at = time.monotonic()
         out, err = self.proc.communicate("go\n", timeout=300)
         assert self.proc.returncode == 0, err[-3000:]
-        return json.loads(out)
+        return {**json.loads(out), "told_at": told_at}
+
+
+def _covered(r, sent: dict) -> float:
+    """The share of the burst's sending that running stream `r` streamed through."""
+    overlap_s = min(r.event_times[-1], sent["last_sent"]) - sent["first_sent"]
+    return overlap_s / max(sent["last_sent"] - sent["first_sent"], 1e-9)
+
+
+def _lived_through(r, sent: dict) -> str | None:
+    """Why running stream `r` did not live through the burst `sent`, or None.
+
+    NOTE: each running stream must live through the burst: a third of its sending
+    at least, or half its own life inside the sending. Beside the suite's other
+    lanes sending 800 requests took up to 8.4 s on one machine, about a stream's
+    life; on another (AVX2) the longest stream tiny's context allows ran 10 s
+    alone while the sending took 20 s, and ended 0.1 s before its half; on one
+    with AVX-512 streams of 8-9 s met a sending of 8.5 s alone (the intake
+    without the engine: 0.3 s), and beside the lanes streams of 0.6-2.7 s (read
+    in clumps by a stalled reader) met sendings that began 0.6-2.7 s after their
+    first event: a round that did not overlap proves nothing, and runs again."""
+    covered = _covered(r, sent)
+    overlap_s = min(r.event_times[-1], sent["last_sent"]) - sent["first_sent"]
+    life_in_sending = overlap_s / max(r.event_times[-1] - r.event_times[0], 1e-9)
+    if r.event_times[0] < sent["first_sent"] and (
+            covered >= MIN_SENDING_COVERED or life_in_sending >= MIN_LIFE_IN_SENDING):
+        return None
+    return (f"a running stream did not run through the burst ({covered:.0%} of its "
+            f"sending, {life_in_sending:.0%} of its life): it streamed "
+            f"{r.event_times[-1] - r.event_times[0]:.2f} s from "
+            f"{sent['first_sent'] - r.event_times[0]:.2f} s before the sending, which took "
+            f"{sent['last_sent'] - sent['first_sent']:.2f} s; the burst was told to send "
+            f"{sent['first_sent'] - sent['told_at']:.2f} s before it")
 
 
 def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_streams(server):
@@ -240,57 +277,53 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     num_requests = BURST_FACTOR * slots
     url = server + "/v1/completions"
 
-    async def run():
+    async def burst_round(client, round_no: int):
+        """The running streams, then the burst: (running, sent, own_wait, waited)."""
         # NOTE: what this test's own loop (the running streams' reader) waited for a
         # CPU: a stall it measures may be partly its own (loadtests/client_wait.py)
         own_wait = ClientWait().start()
+        # NOTE: the burst's client starts first; once the running streams stream,
+        # it is told to send
+        burst = await asyncio.to_thread(_ReadyBurst, url, num_requests, BURST_TOKENS)
+        streaming = [asyncio.Event() for _ in range(RUNNING_STREAMS)]
+        running = [asyncio.ensure_future(stream_request(
+            client, url, _body(RUNNING_TOKENS, f"Running {k} of round {round_no}"),
+            first_event=streaming[k])) for k in range(RUNNING_STREAMS)]
+        # the burst goes out as soon as every running stream streams: their whole
+        # life is left to run through it
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)),
+                               RUNNING_FIRST_TOKEN_TIMEOUT_S)
+        burst = asyncio.ensure_future(asyncio.to_thread(burst.send))
+        running, sent = await asyncio.gather(*running), await burst
+        return running, sent, own_wait, own_wait.take()
+
+    async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             # the same burst answered without the engine (404: an unknown model, or
             # 429 from the gate, which counts these too): the pace at which the
             # client and the front door take it in
             intake = await asyncio.to_thread(_run_burst, url, num_requests, 16, "none")
-            # NOTE: the burst's client starts first; once the running streams stream,
-            # it is told to send
-            burst = await asyncio.to_thread(_ReadyBurst, url, num_requests, BURST_TOKENS)
-            streaming = [asyncio.Event() for _ in range(RUNNING_STREAMS)]
-            running = [asyncio.ensure_future(stream_request(
-                client, url, _body(RUNNING_TOKENS, f"Running {k} of the day"),
-                first_event=streaming[k])) for k in range(RUNNING_STREAMS)]
-            # the burst goes out as soon as every running stream streams: their whole
-            # life is left to run through it
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)),
-                                   RUNNING_FIRST_TOKEN_TIMEOUT_S)
-            burst = asyncio.ensure_future(asyncio.to_thread(burst.send))
-            results = intake, await asyncio.gather(*running), await burst
-        return *results, own_wait, own_wait.take()
+            for round_no in range(1, BURST_ROUNDS + 1):
+                running, sent, own_wait, waited = await burst_round(client, round_no)
+                missed = [why for r in running if r.status == 200 and r.event_times
+                          for why in [_lived_through(r, sent)] if why]
+                if not missed or round_no == BURST_ROUNDS:
+                    break
+                print(f"round {round_no}: {missed[0]}; again")
+        return intake, running, sent, own_wait, waited, missed
 
     with busy_core():
-        intake, running, sent, own_wait, waited = asyncio.run(run())
+        intake, running, sent, own_wait, waited, missed = asyncio.run(run())
     intake_sending_s = intake["last_sent"] - intake["first_sent"]
     intake, burst = intake["rows"], sent["rows"]
     assert {status for status, *_ in intake} <= {404, 429}
-    gaps, server_gaps, covered = [], [], []
     for r in running:  # the streams already running complete at their pace
         assert r.status == 200 and r.done and not r.error_events, r.events[-2:]
-        # NOTE: each running stream must live through the burst: a third of its sending
-        # at least, or half its own life inside the sending. Beside the suite's other
-        # lanes sending 800 requests took up to 8.4 s on one machine, about a stream's
-        # life; on another (AVX2) the longest stream tiny's context allows ran 10 s
-        # alone while the sending took 20 s, and ended 0.1 s before its half; on one
-        # with AVX-512 streams of 8-9 s met a sending of 8.5 s alone (the intake
-        # without the engine: 0.3 s), and beside the lanes a stream that began 0.2 s
-        # before the sending covered 9% of it.
-        overlap_s = min(r.event_times[-1], sent["last_sent"]) - sent["first_sent"]
-        covered.append(overlap_s / max(sent["last_sent"] - sent["first_sent"], 1e-9))
-        life_in_sending = overlap_s / max(r.event_times[-1] - r.event_times[0], 1e-9)
-        assert r.event_times[0] < sent["first_sent"] and (
-            covered[-1] >= MIN_SENDING_COVERED or life_in_sending >= MIN_LIFE_IN_SENDING), (
-            f"a running stream did not run through the burst ({covered[-1]:.0%} of its "
-            f"sending, {life_in_sending:.0%} of its life): "
-            f"it streamed {r.event_times[-1] - r.event_times[0]:.2f} s from "
-            f"{sent['first_sent'] - r.event_times[0]:.2f} s before the sending, which took "
-            f"{sent['last_sent'] - sent['first_sent']:.2f} s (the intake's: "
-            f"{intake_sending_s:.2f} s)")
+    assert not missed, (f"{missed[0]} (in each of {BURST_ROUNDS} rounds; the intake's "
+                        f"sending: {intake_sending_s:.2f} s)")
+    gaps, server_gaps = [], []
+    covered = [_covered(r, sent) for r in running]
+    for r in running:
         gaps.append(max(b - a for a, b in zip(r.event_times, r.event_times[1:])))
         # NOTE: a gap is timed by this test's own loop, which shares the cores with the
         # busy loop and the server: alone here it once stalled 2.89 s, and the longest
@@ -315,7 +348,11 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
           f"median {_median(refusal_s):.2f} s (the same burst without the engine: "
           f"{_median(intake_s):.2f} s); running streams' longest gap {max(gaps):.2f} s "
           f"({server_gap_s:.2f} s less the reader's own stalls), "
-          f"through {min(covered):.0%} of the burst's sending at least; this test's "
+          f"through {min(covered):.0%} of the burst's sending at least (streams of "
+          f"{[round(r.event_times[-1] - r.event_times[0], 2) for r in running]} s, "
+          f"first events {[round(sent['first_sent'] - r.event_times[0], 2) for r in running]} s "
+          f"before the sending, told {sent['first_sent'] - sent['told_at']:.2f} s before it, "
+          f"sending {sent['last_sent'] - sent['first_sent']:.2f} s); this test's "
           f"reader waited for a CPU {waited['client_cpu_wait_share'] or 0:.1%} of the "
           f"time, its loop stalled up to {waited['client_longest_loop_stall_ms']:.0f} ms")
     assert not other, other[:5]
