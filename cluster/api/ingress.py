@@ -35,6 +35,7 @@ from cluster.api.openai_protocol import (ChatCompletionRequest, CompletionReques
 from cluster.transport.channels import ChannelHub
 from cluster.api.choice_runs import ChoiceRuns
 from cluster.errors import replica_error
+from cluster.http_scheduling import batch_this_process
 from cluster.api.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter, TokenLabels
 from cluster.api.pending_gate import PendingGate
 from cluster.api.response_writer import SSEResponse, abort_all, json_answer, sse_events
@@ -309,6 +310,8 @@ class Ingress:
         from deltas.tokenization.tokenizer import Tokenizer
         from replicas.checkpoints.presets import resolve_tokenizer_dir
 
+        # NOTE: first, so that the threads the replica starts from here on inherit it
+        batch_this_process()
         self._engine = engine
         # NOTE: by value (gRPC), not through the object store: per-request and
         # per-step messages are small, and the store's round trip costs more.

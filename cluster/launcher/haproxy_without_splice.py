@@ -10,6 +10,9 @@ which this command extends. Without splicing HAProxy copies through its buffers:
 for SSE events of a few hundred bytes and small request bodies that is no dearer
 (docs/performance.md).
 
+It also puts HAProxy under SCHED_BATCH (cluster/http_scheduling.py: its wakeups by
+the ingress's writes do not preempt the ingress), unless `STEPSTREAM_HTTP_SCHED_BATCH=0`.
+
 It imports neither torch nor Ray: Serve runs it at every start and reload of HAProxy.
 """
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+
+from cluster.http_scheduling import batch_this_process
 
 COMMAND = "stepstream-haproxy"
 # The HAProxy binary to run, where it is not Ray's own build (the launcher sets it to
@@ -72,6 +77,7 @@ def main() -> None:
         args = command_line(sys.argv[1:])
     except FileNotFoundError as e:
         sys.exit(f"{COMMAND}: {e}")
+    batch_this_process()  # kept across exec, and by the threads HAProxy starts
     # NOTE: exec, not a child: Serve signals and reloads HAProxy by this process's pid
     os.execv(args[0], args)
 

@@ -19,11 +19,12 @@ ROOMS = ("api", "transport", "launcher")
 # What each part of cluster/ (a room, or a module at the top) may import of cluster/.
 # app.py, engine_args.py, args_table.py and serve_local.py, at the top, may import any.
 MAY_IMPORT = {
-    "launcher": {"launcher"},
+    "launcher": {"launcher", "http_scheduling"},
     "transport": {"transport", "errors", "metrics"},
-    "api": {"api", "transport", "errors", "metrics"},
+    "api": {"api", "transport", "errors", "metrics", "http_scheduling"},
     "errors": set(),
     "metrics": set(),
+    "http_scheduling": set(),
 }
 
 

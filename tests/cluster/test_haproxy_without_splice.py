@@ -33,6 +33,23 @@ def test_serves_arguments_reach_haproxy_after_the_no_splice_flag_in_the_same_pro
     assert out.split() == [str(proc.pid), "-dS", "-db", "-f", "/tmp/x.cfg"]
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's policy")
+@pytest.mark.parametrize("setting, policy", [(None, "SCHED_BATCH"), ("0", "SCHED_OTHER")])
+def test_haproxy_runs_under_sched_batch_unless_told_not_to(tmp_path, setting, policy):
+    """cluster/http_scheduling.py: the ingress's writes wake HAProxy without
+    preempting the ingress."""
+    fake = tmp_path / "haproxy"
+    fake.write_text(f"#!{sys.executable}\nimport os\nprint(os.sched_getscheduler(0))\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_HTTP_SCHED_BATCH"}
+    if setting is not None:
+        env["STEPSTREAM_HTTP_SCHED_BATCH"] = setting
+    out = subprocess.run([sys.executable, "-m", MODULE], capture_output=True, text=True,
+                         env={**env, hws.REAL_BINARY_ENV: str(fake)}, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == getattr(os, policy)
+
+
 def test_rays_build_runs_by_default_and_takes_the_flag(tmp_path):
     """Ray's HAProxy build, whatever RAY_SERVE_HAPROXY_BINARY_PATH says (it names
     this command), accepts -dS with a config like Serve's."""

@@ -81,6 +81,20 @@ def _haproxy_config_dir(pids) -> str:
     raise AssertionError(f"no HAProxy among {_names(pids)}")
 
 
+def _policies(pids, name_part: str) -> set[int]:
+    """The scheduling policies of every thread of the processes whose command line
+    holds `name_part`."""
+    policies = set()
+    for pid, name in _named(pids).items():
+        if name_part in name:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    policies.add(os.sched_getscheduler(int(tid)))
+                except OSError:  # the thread ended meanwhile
+                    pass
+    return policies
+
+
 def test_sigterm_shuts_serve_then_ray_down_and_exits_0(tmp_path):
     proc, log = _start(tmp_path, free_port())
     try:
@@ -88,6 +102,10 @@ def test_sigterm_shuts_serve_then_ray_down_and_exits_0(tmp_path):
         assert any("EngineReplica" in n for n in _names(started)), _names(started)
         haproxy_dir = _haproxy_config_dir(started)
         assert os.path.isdir(haproxy_dir), haproxy_dir
+        # the HTTP side under SCHED_BATCH (cluster/http_scheduling.py), the engine not
+        assert _policies(started, "haproxy -") == {os.SCHED_BATCH}
+        assert _policies(started, "ServeReplica:stepstream:Ingress") == {os.SCHED_BATCH}
+        assert os.SCHED_BATCH not in _policies(started, "ServeReplica:stepstream:EngineReplica")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, log.read_text()[-3000:]
         # Serve leaves its HAProxy's folder (one per Ray node, so one per start)
