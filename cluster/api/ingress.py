@@ -327,7 +327,7 @@ class Ingress:
         self._served_model_name = served_model_name
         self._model = model
         self._tokenizer = Tokenizer.from_dir(resolve_tokenizer_dir(model))
-        self._token_labels = TokenLabels(self._token_text, self._tokenizer.token_bytes)
+        self._token_labels = TokenLabels.of_tokenizer(self._tokenizer)
         self._max_token_chars = _max_token_chars(self._tokenizer)
         self._developer_role = developer_role(self._tokenizer)
         self._max_body_bytes = max_body_bytes
@@ -510,9 +510,6 @@ class Ingress:
                                          tuple(info["eos_token_ids"]))
             self._model_info = info
         return self._model_info
-
-    def _token_text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")

@@ -153,6 +153,28 @@ class TokenLabels:
         self.text = text
         self._token_bytes = token_bytes
 
+    @classmethod
+    def of_tokenizer(cls, tokenizer) -> "TokenLabels":
+        """Labels from a tokenizer (`decode`, `token_bytes`): a token's text is the
+        text its bytes spell where they are whole UTF-8 characters, else its decode
+        alone (U+FFFD for part of a character).
+
+        NOTE: a SentencePiece piece decoded alone loses the leading space its bytes
+        carry ("▁Hello" decodes to "Hello"): its text would then disagree with its
+        `bytes`, and completions' `text_offset` with the text the stream sent."""
+        token_bytes = tokenizer.token_bytes
+
+        def text(token_id: int) -> str:
+            raw = token_bytes(token_id)
+            if raw is not None:
+                try:
+                    return raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    pass
+            return tokenizer.decode([token_id], skip_special_tokens=False)
+
+        return cls(text, token_bytes)
+
     def utf8(self, token_id: int, text: str) -> list[int]:
         """`token_id`'s bytes as the list of ints chat's logprobs carry; `text` is
         its text, already looked up."""

@@ -189,12 +189,33 @@ def test_chat_logprob_bytes_are_each_tokens_own_and_join_into_the_text(model):
     tok = Tokenizer.from_dir(resolve_tokenizer_dir(model))
     text = "ok \U0001F600 n\u00e9e \u4e2d\u6587"
     ids = tok.encode(text, add_special_tokens=False)
-    labels = TokenLabels(lambda i: tok.decode([i], skip_special_tokens=False), tok.token_bytes)
+    labels = TokenLabels.of_tokenizer(tok)
     lp = chat_logprobs(ids, [-0.5] * len(ids), [[(i, -0.5)] for i in ids], labels)
     entries = lp["content"]
     assert any(e["token"] == "\ufffd" for e in entries)  # some token holds part of a character
     assert b"".join(bytes(e["bytes"]) for e in entries).decode() == text
     assert [e["top_logprobs"][0]["bytes"] for e in entries] == [e["bytes"] for e in entries]
+
+
+def test_a_sentencepiece_tokens_text_keeps_the_space_its_bytes_carry():
+    """A Metaspace piece ("▁wor") decoded alone drops its leading space; its label
+    keeps it, as its bytes do, so "▁the" and "the" stay two keys of completions'
+    top_logprobs. A piece of a character is U+FFFD, as before."""
+    from deltas_tokenizers import sentencepiece_tokenizer
+
+    tok = sentencepiece_tokenizer("llama2")
+    ids = tok.encode("hello world \U0001F600", add_special_tokens=False)
+    labels = TokenLabels.of_tokenizer(tok)
+    entries = chat_logprobs(ids, [-0.5] * len(ids), None, labels)["content"]
+    assert "".join(e["token"] for e in entries).startswith(" hello world ")
+    assert " wor" in [e["token"] for e in entries]  # "wor" when decoded alone
+    for e in entries:
+        assert e["token"] in (bytes(e["bytes"]).decode("utf-8", "replace"), "\ufffd")
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == " hello world \U0001F600"
+    wor, bare = tok.backend.token_to_id("▁wor"), tok.backend.token_to_id("wor")
+    tops = completion_logprobs([wor], [-0.1], [[(wor, -0.1), (bare, -2.0)]], labels.text,
+                               0)["top_logprobs"]
+    assert tops == [{" wor": -0.1, "wor": -2.0}]
 
 
 def test_chat_logprob_bytes_fall_back_to_the_texts_encoding():
