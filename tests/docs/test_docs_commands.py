@@ -36,6 +36,7 @@ import httpx
 import pytest
 import yaml
 
+from cluster.launcher.console import EXIT_TRY_AGAIN
 from cluster_support import free_port
 from docs_support import (
     MAKE_VARS, READY_TIMEOUT_S, REPO, Foreground, Shell, Snippet, all_snippets, assert_streams,
@@ -350,7 +351,17 @@ def test_make_serve_prints_url_and_a_curl_line_that_streams(sandbox):
     text = substitute(snip, snip.text, r"^make serve\b", shlex.join(["make", *args]))
     fg = Foreground(sandbox, "make-serve", preamble(), text)
     try:
-        url = fg.wait_for(r"^Serving at (\S+)$", READY_TIMEOUT_S).group(1)
+        try:
+            url = fg.wait_for(r"^Serving at (\S+)$", READY_TIMEOUT_S).group(1)
+        except RuntimeError:
+            # NOTE: what the launcher tells a user whose busy machine made Ray's own
+            # start give up (exit status 75: "start it again"), once; beside the
+            # suite's other lanes Ray's node once missed its fixed 30 s to register
+            if f"exit status {EXIT_TRY_AGAIN}" not in fg.output():
+                raise
+            fg.kill()
+            fg = Foreground(sandbox, "make-serve-again", preamble(), text)
+            url = fg.wait_for(r"^Serving at (\S+)$", READY_TIMEOUT_S).group(1)
         assert url == f"http://127.0.0.1:{port}/v1"
         curl_line = fg.wait_for(r"^curl .*$", 10).group(0)
         res = _run_bash(sandbox, curl_line)
