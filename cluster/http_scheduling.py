@@ -8,8 +8,10 @@ whose cores the engine shares with the HTTP side every event costs two context
 switches per hop. A SCHED_BATCH task does not preempt on wakeup: it waits for the
 running task to block or for the scheduler's tick, so the ingress writes a step's
 events to all its connections before HAProxy runs, and HAProxy takes them in one
-pass of its event loop. Where a core is idle a woken task runs there at once, as
-before; the policy changes nothing else (niceness, affinity and CPU shares stay).
+pass of its event loop. Likewise the ingress, woken by an engine replica's step
+message, waits for the running task's slice (a few ms at most) where every core is
+busy. Where a core is idle a woken task runs there at once, as before. Niceness,
+affinity and CPU shares stay as they were.
 
 Imports nothing of cluster/: `stepstream-haproxy` runs it before exec'ing HAProxy
 at every start and reload, and the ingress replica in its constructor.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 
 SCHED_BATCH_ENV = "STEPSTREAM_HTTP_SCHED_BATCH"  # "0": leave the default policy
+_MAX_PASSES = 4  # over the process's threads
 
 
 def wanted(environ: dict[str, str] | None = None) -> bool:
@@ -36,15 +39,22 @@ def batch_this_process(environ: dict[str, str] | None = None) -> int:
     an optimisation, never a reason to fail a start."""
     if not wanted(environ) or not hasattr(os, "SCHED_BATCH"):
         return 0
-    try:
-        thread_ids = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        thread_ids = [0]  # 0: the calling thread
+    done: set[int] = set()
     changed = 0
-    for tid in thread_ids:
+    # NOTE: again until no thread is new: one started meanwhile by a thread not yet
+    # changed would keep the default policy
+    for _ in range(_MAX_PASSES):
         try:
-            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+            thread_ids = {int(tid) for tid in os.listdir("/proc/self/task")} - done
         except OSError:
-            continue
-        changed += 1
+            thread_ids = {0} - done  # 0: the calling thread
+        if not thread_ids:
+            break
+        for tid in thread_ids:
+            done.add(tid)
+            try:
+                os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+            except OSError:
+                continue
+            changed += 1
     return changed

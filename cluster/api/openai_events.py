@@ -161,7 +161,11 @@ class TokenLabels:
 
         NOTE: a SentencePiece piece decoded alone loses the leading space its bytes
         carry ("▁Hello" decodes to "Hello"): its text would then disagree with its
-        `bytes`, and completions' `text_offset` with the text the stream sent."""
+        `bytes`, and completions' `text_offset` with the text the stream sent. The
+        one place the stream drops that space is the very start of an output (as a
+        whole decode does), where the first token's label is one character longer
+        than the text sent; each delta's offset comes from the text sent, so that
+        stays inside the first delta."""
         token_bytes = tokenizer.token_bytes
 
         def text(token_id: int) -> str:

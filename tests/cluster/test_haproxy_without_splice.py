@@ -45,7 +45,9 @@ def test_haproxy_runs_under_sched_batch_unless_told_not_to(tmp_path, setting, po
     if setting is not None:
         env["STEPSTREAM_HTTP_SCHED_BATCH"] = setting
     out = subprocess.run([sys.executable, "-m", MODULE], capture_output=True, text=True,
-                         env={**env, hws.REAL_BINARY_ENV: str(fake)}, timeout=30)
+                         env={**env, hws.REAL_BINARY_ENV: str(fake)}, timeout=30,
+                         preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_OTHER,
+                                                                  os.sched_param(0)))
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == getattr(os, policy)
 

@@ -28,12 +28,17 @@ print(json.dumps({"changed": changed, "policies": policies}))
 """
 
 
+def _default_policy() -> None:
+    """The child starts under SCHED_OTHER whatever runs the suite."""
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
 def _probe(env_value: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != SCHED_BATCH_ENV}
     if env_value is not None:
         env[SCHED_BATCH_ENV] = env_value
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                         env=env, timeout=60)
+                         env=env, timeout=60, preexec_fn=_default_policy)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 

@@ -37,7 +37,8 @@ def _port_open(port: int) -> bool:
 
 def _start(tmp_path, port: int) -> tuple[subprocess.Popen, object]:
     log = tmp_path / "serve_local.log"
-    env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_API_KEY"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("STEPSTREAM_API_KEY", "STEPSTREAM_HTTP_SCHED_BATCH")}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cluster.serve_local", "--port", str(port),
@@ -81,18 +82,29 @@ def _haproxy_config_dir(pids) -> str:
     raise AssertionError(f"no HAProxy among {_names(pids)}")
 
 
-def _policies(pids, name_part: str) -> set[int]:
-    """The scheduling policies of every thread of the processes whose command line
-    holds `name_part`."""
+def _policies(pids, is_it) -> set[int]:
+    """The scheduling policies of every thread of the processes whose whole command
+    line (split) `is_it` accepts."""
+    from cluster.launcher.process_table import cmdline
+
     policies = set()
-    for pid, name in _named(pids).items():
-        if name_part in name:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                try:
-                    policies.add(os.sched_getscheduler(int(tid)))
-                except OSError:  # the thread ended meanwhile
-                    pass
+    for pid in pids:
+        if not is_it((cmdline(pid) or "").split()):
+            continue
+        try:
+            thread_ids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # the process ended meanwhile (an HAProxy reload)
+            continue
+        for tid in thread_ids:
+            try:
+                policies.add(os.sched_getscheduler(int(tid)))
+            except OSError:  # the thread ended meanwhile
+                pass
     return policies
+
+
+def _named_like(part: str):
+    return lambda args: any(part in arg for arg in args)
 
 
 def test_sigterm_shuts_serve_then_ray_down_and_exits_0(tmp_path):
@@ -103,9 +115,12 @@ def test_sigterm_shuts_serve_then_ray_down_and_exits_0(tmp_path):
         haproxy_dir = _haproxy_config_dir(started)
         assert os.path.isdir(haproxy_dir), haproxy_dir
         # the HTTP side under SCHED_BATCH (cluster/http_scheduling.py), the engine not
-        assert _policies(started, "haproxy -") == {os.SCHED_BATCH}
-        assert _policies(started, "ServeReplica:stepstream:Ingress") == {os.SCHED_BATCH}
-        assert os.SCHED_BATCH not in _policies(started, "ServeReplica:stepstream:EngineReplica")
+        assert _policies(started, lambda args: args[:1] and args[0].endswith("haproxy")) == {
+            os.SCHED_BATCH}
+        assert _policies(started, _named_like("ServeReplica:stepstream:Ingress")) == {
+            os.SCHED_BATCH}
+        engine_policies = _policies(started, _named_like("ServeReplica:stepstream:EngineReplica"))
+        assert engine_policies and os.SCHED_BATCH not in engine_policies
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, log.read_text()[-3000:]
         # Serve leaves its HAProxy's folder (one per Ray node, so one per start)

@@ -332,7 +332,7 @@ def test_make_serve_passes_a_model_unless_a_config_names_it(make_vars, model_fla
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # a second start after a temporary failure included
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_serve_prints_url_and_a_curl_line_that_streams(sandbox):
     snip = one_snippet("make-serve")
@@ -360,6 +360,8 @@ def test_make_serve_prints_url_and_a_curl_line_that_streams(sandbox):
             if f"exit status {EXIT_TRY_AGAIN}" not in fg.output():
                 raise
             fg.kill()
+            left = leftovers(fg.output())
+            assert not left, f"Ray processes left after the temporary failure: {left}"
             fg = Foreground(sandbox, "make-serve-again", preamble(), text)
             url = fg.wait_for(r"^Serving at (\S+)$", READY_TIMEOUT_S).group(1)
         assert url == f"http://127.0.0.1:{port}/v1"
