@@ -13,9 +13,29 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 import time
 
 import httpx
+
+def run_under_default_policy(args: list[str], sched_batch: str | None,
+                             env: dict[str, str] | None = None,
+                             **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(args)` in a child started under SCHED_OTHER whatever runs the
+    suite, with STEPSTREAM_HTTP_SCHED_BATCH set to `sched_batch`, or unset for None
+    (cluster/http_scheduling.py)."""
+    from cluster.http_scheduling import SCHED_BATCH_ENV
+
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k != SCHED_BATCH_ENV}
+    if sched_batch is not None:
+        env[SCHED_BATCH_ENV] = sched_batch
+    return subprocess.run(args, env=env, preexec_fn=_default_policy, capture_output=True,
+                          text=True, **kwargs)
+
+
+def _default_policy() -> None:
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -144,46 +144,44 @@ class TokenLabels:
     parts back into the character, so it carries the token's own bytes;
     `token_bytes` returns None where the tokenizer's decoder cannot be mapped to
     bytes, and the text's encoding stands in.
+
+    A token's text is the text its bytes spell where they are whole UTF-8
+    characters, else `decode` of it alone (U+FFFD for part of a character).
+    NOTE: a SentencePiece piece decoded alone loses the leading space its bytes
+    carry ("▁Hello" decodes to "Hello"): its text would then disagree with its
+    `bytes`, and completions' `text_offset` with the text the stream sent. The one
+    place the stream drops that space is the very start of an output (as a whole
+    decode does), where the first token's label is one character longer than the
+    text sent; each delta's offset comes from the text sent, so that stays inside
+    the first delta.
     """
 
-    __slots__ = ("text", "_token_bytes")
+    __slots__ = ("_decode", "_token_bytes")
 
-    def __init__(self, text: TokenText,
+    def __init__(self, decode: TokenText,
                  token_bytes: Callable[[int], bytes | None] | None = None) -> None:
-        self.text = text
+        self._decode = decode
         self._token_bytes = token_bytes
 
     @classmethod
     def of_tokenizer(cls, tokenizer) -> "TokenLabels":
-        """Labels from a tokenizer (`decode`, `token_bytes`): a token's text is the
-        text its bytes spell where they are whole UTF-8 characters, else its decode
-        alone (U+FFFD for part of a character).
+        """Labels from a tokenizer's `decode` of one token and its `token_bytes`."""
+        return cls(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
+                   tokenizer.token_bytes)
 
-        NOTE: a SentencePiece piece decoded alone loses the leading space its bytes
-        carry ("▁Hello" decodes to "Hello"): its text would then disagree with its
-        `bytes`, and completions' `text_offset` with the text the stream sent. The
-        one place the stream drops that space is the very start of an output (as a
-        whole decode does), where the first token's label is one character longer
-        than the text sent; each delta's offset comes from the text sent, so that
-        stays inside the first delta."""
-        token_bytes = tokenizer.token_bytes
-
-        def text(token_id: int) -> str:
-            raw = token_bytes(token_id)
-            if raw is not None:
-                try:
-                    return raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    pass
-            return tokenizer.decode([token_id], skip_special_tokens=False)
-
-        return cls(text, token_bytes)
-
-    def utf8(self, token_id: int, text: str) -> list[int]:
-        """`token_id`'s bytes as the list of ints chat's logprobs carry; `text` is
-        its text, already looked up."""
+    def label(self, token_id: int) -> tuple[str, bytes]:
+        """`token_id`'s text and its bytes, each looked up once."""
         raw = self._token_bytes(token_id) if self._token_bytes is not None else None
-        return list(text.encode("utf-8", "replace") if raw is None else raw)
+        if raw is None:
+            text = self._decode(token_id)
+            return text, text.encode("utf-8", "replace")
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:  # part of a character
+            return self._decode(token_id), raw
+
+    def text(self, token_id: int) -> str:
+        return self.label(token_id)[0]
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[float],
@@ -215,5 +213,5 @@ def chat_logprobs(token_ids: list[int], logprobs: list[float],
 
 
 def _chat_entry(labels: TokenLabels, token_id: int, logprob: float) -> dict:
-    text = labels.text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": labels.utf8(token_id, text)}
+    text, raw = labels.label(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}

@@ -12,13 +12,14 @@ import sys
 import pytest
 
 from cluster.launcher import haproxy_without_splice as hws
+from cluster_support import run_under_default_policy
 
 MODULE = "cluster.launcher.haproxy_without_splice"
 
 
-def _fake(tmp_path, name: str = "haproxy"):
+def _fake(tmp_path, name: str = "haproxy", body: str = '#!/bin/sh\necho "$$ $*"\n'):
     binary = tmp_path / name
-    binary.write_text('#!/bin/sh\necho "$$ $*"\n')
+    binary.write_text(body)
     binary.chmod(0o755)
     return binary
 
@@ -38,16 +39,9 @@ def test_serves_arguments_reach_haproxy_after_the_no_splice_flag_in_the_same_pro
 def test_haproxy_runs_under_sched_batch_unless_told_not_to(tmp_path, setting, policy):
     """cluster/http_scheduling.py: the ingress's writes wake HAProxy without
     preempting the ingress."""
-    fake = tmp_path / "haproxy"
-    fake.write_text(f"#!{sys.executable}\nimport os\nprint(os.sched_getscheduler(0))\n")
-    fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "STEPSTREAM_HTTP_SCHED_BATCH"}
-    if setting is not None:
-        env["STEPSTREAM_HTTP_SCHED_BATCH"] = setting
-    out = subprocess.run([sys.executable, "-m", MODULE], capture_output=True, text=True,
-                         env={**env, hws.REAL_BINARY_ENV: str(fake)}, timeout=30,
-                         preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_OTHER,
-                                                                  os.sched_param(0)))
+    fake = _fake(tmp_path, body=f"#!{sys.executable}\nimport os\nprint(os.sched_getscheduler(0))\n")
+    out = run_under_default_policy([sys.executable, "-m", MODULE], setting, timeout=30,
+                                   env={**os.environ, hws.REAL_BINARY_ENV: str(fake)})
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == getattr(os, policy)
 

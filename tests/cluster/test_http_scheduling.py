@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from cluster.http_scheduling import SCHED_BATCH_ENV, wanted
+from cluster_support import run_under_default_policy
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's policy")
 
@@ -28,17 +28,8 @@ print(json.dumps({"changed": changed, "policies": policies}))
 """
 
 
-def _default_policy() -> None:
-    """The child starts under SCHED_OTHER whatever runs the suite."""
-    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-
-
-def _probe(env_value: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != SCHED_BATCH_ENV}
-    if env_value is not None:
-        env[SCHED_BATCH_ENV] = env_value
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                         env=env, timeout=60, preexec_fn=_default_policy)
+def _probe(sched_batch: str | None) -> dict:
+    out = run_under_default_policy([sys.executable, "-c", _PROBE], sched_batch, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 

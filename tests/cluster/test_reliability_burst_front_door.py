@@ -237,10 +237,14 @@ class _ReadyBurst:
         return {**json.loads(out), "told_at": told_at}
 
 
+def _overlap_s(r, sent: dict) -> float:
+    """How long running stream `r` streamed while the burst `sent` was being sent."""
+    return min(r.event_times[-1], sent["last_sent"]) - sent["first_sent"]
+
+
 def _covered(r, sent: dict) -> float:
     """The share of the burst's sending that running stream `r` streamed through."""
-    overlap_s = min(r.event_times[-1], sent["last_sent"]) - sent["first_sent"]
-    return overlap_s / max(sent["last_sent"] - sent["first_sent"], 1e-9)
+    return _overlap_s(r, sent) / max(sent["last_sent"] - sent["first_sent"], 1e-9)
 
 
 def _lived_through(r, sent: dict) -> str | None:
@@ -256,8 +260,7 @@ def _lived_through(r, sent: dict) -> str | None:
     in clumps by a stalled reader) met sendings that began 0.6-2.7 s after their
     first event: a round that did not overlap proves nothing, and runs again."""
     covered = _covered(r, sent)
-    overlap_s = min(r.event_times[-1], sent["last_sent"]) - sent["first_sent"]
-    life_in_sending = overlap_s / max(r.event_times[-1] - r.event_times[0], 1e-9)
+    life_in_sending = _overlap_s(r, sent) / max(r.event_times[-1] - r.event_times[0], 1e-9)
     if r.event_times[0] < sent["first_sent"] and (
             covered >= MIN_SENDING_COVERED or life_in_sending >= MIN_LIFE_IN_SENDING):
         return None

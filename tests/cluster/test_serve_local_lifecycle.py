@@ -77,9 +77,13 @@ def _haproxy_config_dir(pids) -> str:
 
     for pid in pids:
         args = (cmdline(pid) or "").split()
-        if "-f" in args and args[0].endswith("haproxy"):
+        if "-f" in args and _is_haproxy(args):
             return os.path.dirname(args[args.index("-f") + 1])
     raise AssertionError(f"no HAProxy among {_names(pids)}")
+
+
+def _is_haproxy(args: list[str]) -> bool:
+    return bool(args) and args[0].endswith("haproxy")
 
 
 def _policies(pids, is_it) -> set[int]:
@@ -115,8 +119,7 @@ def test_sigterm_shuts_serve_then_ray_down_and_exits_0(tmp_path):
         haproxy_dir = _haproxy_config_dir(started)
         assert os.path.isdir(haproxy_dir), haproxy_dir
         # the HTTP side under SCHED_BATCH (cluster/http_scheduling.py), the engine not
-        assert _policies(started, lambda args: args[:1] and args[0].endswith("haproxy")) == {
-            os.SCHED_BATCH}
+        assert _policies(started, _is_haproxy) == {os.SCHED_BATCH}
         assert _policies(started, _named_like("ServeReplica:stepstream:Ingress")) == {
             os.SCHED_BATCH}
         engine_policies = _policies(started, _named_like("ServeReplica:stepstream:EngineReplica"))
