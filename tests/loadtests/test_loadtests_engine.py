@@ -2,6 +2,7 @@
 tests assert correctness, never speed), and the GPU check's CPU plumbing."""
 import pytest
 import argparse
+import gc
 import json
 
 from loadtests import gpu_check
@@ -27,6 +28,7 @@ def test_shared_prefix_and_chat_rows():
     assert shared["prefix_cache_hit_rate"] > 0 and chat["prefix_cache_hit_rate"] == 0
     assert {"median_ttft_turn1_ms", "median_ttft_turn2_ms"} <= set(chat)
     assert chat["completed"] == sum(map(len, convs))  # every turn of every conversation
+    assert gc.get_freeze_count() == 0  # the heap frozen for a run is the collector's again
 
 
 def test_thread_and_process_engines_stream_every_token():
