@@ -223,6 +223,12 @@ class AppArgs(EngineArgs):
         return self.num_engine_replicas
 
     @property
+    def max_engine_requests_at_once(self) -> int:
+        """Engine requests all engine replicas admit at once, at their most: a
+        request needing more (prompts x n) could only ever be refused."""
+        return self.engine_max_admitted * self.max_engine_replicas
+
+    @property
     def ingress_max_pending(self) -> int | None:
         """Requests without a first token one ingress replica holds at most (None:
         unbounded); see cluster/api/pending_gate.py."""
@@ -230,8 +236,7 @@ class AppArgs(EngineArgs):
             return None
         if self.ingress_max_pending_requests is not None:
             return self.ingress_max_pending_requests
-        admitted = self.engine_max_admitted * self.max_engine_replicas
-        return max(1, math.ceil(admitted / self.num_ingress_replicas))
+        return max(1, math.ceil(self.max_engine_requests_at_once / self.num_ingress_replicas))
 
     def engine_options(self) -> dict:
         max_ongoing = self.engine_max_ongoing
@@ -290,4 +295,5 @@ def make_app(args: AppArgs, engine_factory: Callable | None = None) -> Applicati
         api_key_sha256=args.api_key_digest(),
         allow_unauthenticated=args.allow_unauthenticated,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
-        queue_timeout_s=args.queue_timeout_s, max_pending_requests=args.ingress_max_pending)
+        queue_timeout_s=args.queue_timeout_s, max_pending_requests=args.ingress_max_pending,
+        max_engine_requests=args.max_engine_requests_at_once)

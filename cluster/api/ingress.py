@@ -205,6 +205,23 @@ def _check_limits(limits: RequestLimits, prompts: list[list[int]],
     return most
 
 
+def _check_engine_requests(num_prompts: int, n: int, most: int | None) -> None:
+    """A 400 for a request whose choices (n for each prompt, each an engine request)
+    are more than the engine replicas admit at once (`most`; None: no bound known).
+    They cannot all hold an admission together: unless the first finish before the
+    last are admitted (the shortest answers), the engines refuse the request (429)
+    however often its client retries. One stated limit beats a refusal by timing."""
+    needed = num_prompts * n
+    if most is None or needed <= most:
+        return
+    what = (f"n={n}" if num_prompts == 1 else
+            f"a batch of {num_prompts} prompts" + (f" with n={n}" if n > 1 else ""))
+    raise bad_request(
+        f"{what} makes {needed} choices, each an engine request; this server's engine "
+        f"replicas admit at most {most} at once. Ask for fewer choices per request.",
+        "n" if n > 1 else "prompt")
+
+
 def _prompt_chars(req, chat: bool) -> list[int]:
     """Characters each prompt holds at least (0 for token ids): a bound on its
     tokens. A chat prompt counts each message's role, content and template framing,
@@ -306,7 +323,8 @@ class Ingress:
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  request_timeout_s: float | None = None,
                  queue_timeout_s: float | None = None,
-                 max_pending_requests: int | None = None) -> None:
+                 max_pending_requests: int | None = None,
+                 max_engine_requests: int | None = None) -> None:
         from deltas.tokenization.tokenizer import Tokenizer
         from replicas.checkpoints.presets import resolve_tokenizer_dir
 
@@ -334,6 +352,7 @@ class Ingress:
         self._request_timeout_s = request_timeout_s
         self._queue_timeout_s = queue_timeout_s
         self._pending = PendingGate(max_pending_requests)
+        self._max_engine_requests = max_engine_requests
         self._model_info: dict | None = None
         self._limits: RequestLimits | None = None  # from the engine's model_info
         self._created = int(time.time())
@@ -415,6 +434,8 @@ class Ingress:
                                f"serves '{self._served_model_name}'", param="model",
                                code="model_not_found")
             params = _sampling_params(req)
+            _check_engine_requests(1 if chat else len(req.prompts), req.n,
+                                   self._max_engine_requests)
             info = await self._info()
             num_chars = self._check_prompt_chars(req, chat, info["max_model_len"])
             if num_chars <= INLINE_TOKENIZE_CHARS and (not chat or len(req.messages)

@@ -50,6 +50,17 @@ def test_the_default_bound_is_what_the_engines_admit_over_the_ingresses(args, ex
     assert AppArgs.model_validate({"model": "tiny", **args}).ingress_max_pending == expected
 
 
+@pytest.mark.parametrize("args, expected", [
+    ({"max_num_seqs": 8}, 16),
+    ({"max_num_seqs": 8, "num_engine_replicas": 3, "num_ingress_replicas": 5}, 48),
+    ({"max_num_seqs": 8, "autoscaling": {"min_replicas": 1, "max_replicas": 4}}, 64),
+    ({"max_num_seqs": 8, "ingress_max_pending_requests": -1}, 16),  # the gate's, not this
+])
+def test_a_request_may_bring_as_many_choices_as_all_engines_admit_at_once(args, expected):
+    # beyond it the ingress answers 400 (cluster/api/ingress.py, _check_engine_requests)
+    assert AppArgs.model_validate({"model": "tiny", **args}).max_engine_requests_at_once == expected
+
+
 def test_a_bound_of_zero_is_refused_with_the_values_allowed():
     with pytest.raises(ValueError, match="ingress_max_pending_requests must be >= 1"):
         AppArgs.model_validate({"model": "tiny", "ingress_max_pending_requests": 0})

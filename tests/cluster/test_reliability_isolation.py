@@ -127,6 +127,33 @@ def test_extreme_but_valid_values_answer_clearly_and_the_victim_completes(server
           f"requests; /health 200 after each; the victim's {VICTIM_TOKENS} tokens complete")
 
 
+# max_num_seqs, plus as many waiting (max_waiting_requests unset): cluster/app.py
+MAX_ENGINE_REQUESTS = 2 * ENGINE_ARGS["max_num_seqs"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": MAX_ENGINE_REQUESTS + 1}, "n"),
+    ({"prompt": ["a"] * (MAX_ENGINE_REQUESTS // 2 + 1), "n": 2}, "n"),
+    ({"prompt": ["a"] * (MAX_ENGINE_REQUESTS + 1)}, "prompt"),
+])
+def test_more_choices_than_the_engines_admit_at_once_is_a_clear_400(server, body, param):
+    """Without the check, the engine replica refuses such a request 429 +
+    Retry-After however often its client retries, unless its first choices finish
+    before its last are admitted (the batch of single choices here always got 429)."""
+    r = httpx.post(server + "/v1/completions", timeout=60, json={**_greedy(0, 2, False), **body})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert is_openai_error(r.json()) and error["param"] == param
+    assert f"at most {MAX_ENGINE_REQUESTS} at once" in error["message"], error["message"]
+
+
+def test_as_many_choices_as_the_engines_admit_at_once_are_answered(server):
+    r = httpx.post(server + "/v1/completions", timeout=120,
+                   json={**_greedy(0, 2, False), "n": MAX_ENGINE_REQUESTS})
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()["choices"]) == MAX_ENGINE_REQUESTS
+
+
 def test_a_request_whose_sampling_raises_fails_alone(server, reference):
     url = server + "/v1/completions"
     handle = engine_handle()
