@@ -225,7 +225,8 @@ class AppArgs(EngineArgs):
     @property
     def max_engine_requests_at_once(self) -> int:
         """Engine requests all engine replicas admit at once, at their most: a
-        request needing more (prompts x n) could only ever be refused."""
+        request needing more (prompts x n) cannot hold them all admitted together,
+        so the ingress answers it 400 (cluster/api/ingress.py)."""
         return self.engine_max_admitted * self.max_engine_replicas
 
     @property
