@@ -207,19 +207,23 @@ def _check_limits(limits: RequestLimits, prompts: list[list[int]],
 
 def _check_engine_requests(num_prompts: int, n: int, most: int | None) -> None:
     """A 400 for a request whose choices (n for each prompt, each an engine request)
-    are more than the engine replicas admit at once (`most`; None: no bound known).
-    They cannot all hold an admission together: unless the first finish before the
-    last are admitted (the shortest answers), the engines refuse the request (429)
-    however often its client retries. One stated limit beats a refusal by timing."""
+    are more than the engine replicas admit at once at their most (`most`; None: no
+    bound known). They cannot all hold an admission together: unless the first finish
+    before the last are admitted (the shortest answers), the engines refuse the
+    request (429) however often its client retries. One stated limit beats a refusal
+    by timing. Below it a request may still meet 429s that a retry can pass: busy
+    engines, a prompt's choices kept on one replica, fewer replicas up than
+    autoscaling's most."""
     needed = num_prompts * n
     if most is None or needed <= most:
         return
+    # NOTE: a batch names `prompt`, as the protocol's 128-choice check does
     what = (f"n={n}" if num_prompts == 1 else
             f"a batch of {num_prompts} prompts" + (f" with n={n}" if n > 1 else ""))
     raise bad_request(
         f"{what} makes {needed} choices, each an engine request; this server's engine "
         f"replicas admit at most {most} at once. Ask for fewer choices per request.",
-        "n" if n > 1 else "prompt")
+        "n" if num_prompts == 1 else "prompt")
 
 
 def _prompt_chars(req, chat: bool) -> list[int]:

@@ -133,7 +133,7 @@ MAX_ENGINE_REQUESTS = 2 * ENGINE_ARGS["max_num_seqs"]
 
 @pytest.mark.parametrize("body, param", [
     ({"n": MAX_ENGINE_REQUESTS + 1}, "n"),
-    ({"prompt": ["a"] * (MAX_ENGINE_REQUESTS // 2 + 1), "n": 2}, "n"),
+    ({"prompt": ["a"] * (MAX_ENGINE_REQUESTS // 2 + 1), "n": 2}, "prompt"),
     ({"prompt": ["a"] * (MAX_ENGINE_REQUESTS + 1)}, "prompt"),
 ])
 def test_more_choices_than_the_engines_admit_at_once_is_a_clear_400(server, body, param):
