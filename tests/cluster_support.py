@@ -18,6 +18,7 @@ import time
 
 import httpx
 
+
 def run_under_default_policy(args: list[str], sched_batch: str | None,
                              env: dict[str, str] | None = None,
                              **kwargs) -> subprocess.CompletedProcess:
