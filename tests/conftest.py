@@ -7,6 +7,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 
 
+_ENGINE_FOLDERS = ("replicas", "gpu")  # tests/<folder>/: the engine's tests
+
+
+def pytest_itemcollected(item):
+    # NOTE: here, before `-m` deselects: `make test` runs the engine's tests without
+    # Ray in a lane of their own (tests/run_lanes.py)
+    if item.path.parent.name in _ENGINE_FOLDERS and item.path.parent.parent.name == "tests":
+        item.add_marker(pytest.mark.engine)
+
+
 def pytest_collection_modifyitems(config, items):
     # The modules that share one local Ray (and Serve on it) run first, one after
     # another, so it starts once; then the rest; those that start a Ray of their own in

@@ -1,7 +1,10 @@
-"""`make test`: the whole suite as three pytest processes at once:
+"""`make test`: the whole suite as four pytest processes at once:
 
-- "no Ray": every test that starts no Ray (torch work mostly), at a lower CPU
-  priority (nice 10);
+- "engine" and "no Ray": every test that starts no Ray (torch work mostly), at a
+  lower CPU priority (nice 10), in two lanes: the engine's tests (marker `engine`,
+  tests/replicas and tests/gpu) and the rest. A pytest process uses one core, and the
+  Ray lanes leave about one of two idle on average: one lane of these took about 9.5
+  minutes beside them, twice its time alone;
 - "Ray": every test that runs Ray in the pytest process (one local Ray that
   consecutive modules share, or `ray.cluster_utils` nodes), one module after
   another, then the few that start a Ray of their own in the pytest process (marker
@@ -12,8 +15,8 @@
 
 Why: the Ray tests spend most of their time waiting (Serve's drains, delays, health
 checks, first tokens) while the machine sits idle; two Ray lanes wait side by side
-and the torch lane uses what they leave. The lane without Ray runs niced: CPU it
-took from the Ray lanes would stretch their waits (and Ray's workers run at their
+and the two torch lanes use what they leave. The lanes without Ray run niced: CPU
+they took from the Ray lanes would stretch their waits (and Ray's workers run at their
 lane's priority, not the 15 nicer Ray starts them at). The Ray lanes' Ray instances
 share nothing: the in-process one picks free ports, the launchers and docs shells
 their own (and a docs shell's `ray stop` sees only its own PID namespace).
@@ -46,8 +49,8 @@ import time
 from pathlib import Path
 
 # name -> (pytest marker expression, niceness)
-LANES = {"no Ray": ("not ray", 10), "Ray": ("ray and not front_door", 0),
-         "front door": ("ray and front_door", 0)}
+LANES = {"engine": ("not ray and engine", 10), "no Ray": ("not ray and not engine", 10),
+         "Ray": ("ray and not front_door", 0), "front door": ("ray and front_door", 0)}
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 # pytest's short summary: "FAILED tests/x.py::test_y[a b] - AssertionError: ..."
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S.*?)(?: - .*)?$")
