@@ -70,7 +70,8 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(model_dir)
         # rope tables cover the longest window that may run past max_model_len
         self.model = load_model(model_dir, config.dtype, self.device,
-                                max_model_len + config.num_scheduler_steps + 1)
+                                max_model_len + config.num_scheduler_steps + 1,
+                                config.quantization)
         if self.device.type == "cpu":
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 256))
             # NOTE: built (or read from the cache) here, not in the first request's step

@@ -16,11 +16,12 @@ from replicas.config import EngineConfig
 from replicas.checkpoints.dtype_choice import resolve_dtype
 from replicas.models.model_config import ModelConfig
 from replicas.checkpoints.presets import ensure_model_dir
+from replicas.quant.choice import resolve_quantization
 
 
 @dataclass(slots=True, frozen=True)
 class ResolvedModel:
-    config: EngineConfig  # as given, with its dtype resolved
+    config: EngineConfig  # as given, with its dtype and quantization resolved
     model_dir: str
     model_config: ModelConfig
     max_model_len: int
@@ -37,7 +38,8 @@ class ResolvedModel:
 def resolve_model(config: EngineConfig) -> ResolvedModel:
     model_dir = ensure_model_dir(config.model)
     dtype, _ = resolve_dtype(config.dtype, config.device, model_dir)
-    config = dataclasses.replace(config, dtype=dtype)
+    quantization, _ = resolve_quantization(config.quantization, config.device, model_dir)
+    config = dataclasses.replace(config, dtype=dtype, quantization=quantization)
     model_config = ModelConfig.from_dir(model_dir)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     return ResolvedModel(config, model_dir, model_config, max_model_len)

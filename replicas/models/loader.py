@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
 
 import torch
 
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.model_config import ModelConfig
+from replicas.quant.choice import GGUF_NATIVE, gguf_source_file
+
+logger = logging.getLogger("stepstream")
+SCHEMES = ("int8", "int4")  # NOTE: replicas/quant/float_quantize.py's, without its numpy import
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,8 +29,32 @@ def _read_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_model(model_dir: str, dtype: str, device: torch.device, max_positions: int
-               ) -> LlamaForCausalLM:
+def load_model(model_dir: str, dtype: str, device: torch.device, max_positions: int,
+               quantization: str = "none") -> LlamaForCausalLM:
+    """The model, its weights as `quantization` says (replicas/quant/choice.py; resolved):
+    gguf keeps a GGUF file's quantized matrices, int8/int4 quantize float weights."""
+    if quantization != "none":
+        from replicas.quant.kernel import load_quant_kernels
+        _, problem = load_quant_kernels()
+        if problem is not None and quantization == GGUF_NATIVE:
+            logger.warning("the GGUF file's weights run dequantized (quantization none): %s",
+                           problem)
+            quantization = "none"
+        elif problem is not None:
+            raise ValueError(f"quantization {quantization} cannot run here: {problem}")
+    if quantization == GGUF_NATIVE:
+        from replicas.quant.gguf_model import load_gguf_model
+        return load_gguf_model(model_dir, gguf_source_file(model_dir), _DTYPES[dtype],
+                               max_positions)
+    model = _load_float_model(model_dir, dtype, device, max_positions)
+    if quantization in SCHEMES:
+        from replicas.quant.model_quantization import quantize_linears
+        quantize_linears(model, quantization)
+    return model
+
+
+def _load_float_model(model_dir: str, dtype: str, device: torch.device, max_positions: int
+                      ) -> LlamaForCausalLM:
     cfg = ModelConfig.from_dir(model_dir)
     weights = _read_safetensors(model_dir)
     torch_dtype = _DTYPES[dtype]

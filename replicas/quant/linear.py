@@ -1,0 +1,119 @@
+"""Linear and embedding layers over quantized weights (replicas/quant/layouts.py).
+
+A layer picks its path by the rows it multiplies: up to `kernel_max_rows` rows
+(decode batches) the integer kernel reads the weights as they are stored, which
+is what bounds a decode step; above it (prefill chunks, large batches) the
+weights are dequantized into a reused buffer and go through torch's GEMM, where
+arithmetic bounds the step and the dequantization is a small share of it. The
+crossover is measured (loadtests/bench_quant_linear.py, docs/performance.md).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from replicas.quant.kernel import ACTIVATION_DTYPES, dequantize_into, gather_rows, quant_matmul_into
+from replicas.quant.layouts import QuantizedWeight
+
+# Rows at and below which the integer kernel runs (measured: docs/performance.md,
+# "Quantized weights").
+KERNEL_MAX_ROWS = 16
+
+
+class _DequantBuffer:
+    """One float buffer per dtype, shared by every layer of the process: a layer's
+    dequantized weight lives only for its own GEMM, so the largest layer's size is
+    all the memory this path takes."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype)
+            self._buffers[dtype] = buffer
+        return buffer[:numel]
+
+
+DEQUANT_BUFFER = _DequantBuffer()
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b, W given as quantized parts stacked by rows (a fused q/k/v or
+    gate/up whose parts came in different types stays several parts)."""
+
+    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None = None):
+        super().__init__()
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("a QuantLinear needs parts of one in_features")
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.register_buffer("bias", bias, persistent=False)
+        self.kernel_max_rows = KERNEL_MAX_ROWS
+        # None: torch's thread count at each call (replicas/quant/threads.py may set it)
+        self.num_threads: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def sources(self) -> list[str]:
+        return [p.source for p in self.parts]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in ACTIVATION_DTYPES or x.device.type != "cpu":
+            raise TypeError(f"quantized linear layers run float32 or bfloat16 on CPU, got "
+                            f"{x.dtype} on {x.device}")
+        shape = x.shape
+        x = x.reshape(-1, self.in_features).contiguous()
+        if x.shape[0] <= self.kernel_max_rows:
+            y = self._kernel_forward(x)
+        else:
+            y = self._gemm_forward(x)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def _threads(self) -> int:
+        return self.num_threads or torch.get_num_threads()
+
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        column, threads = 0, self._threads()
+        for part in self.parts:
+            quant_matmul_into(x, part, out, column, threads)
+            column += part.out_features
+        return out
+
+    def _gemm_forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dequantized(x.dtype)
+        return F.linear(x, weight)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """(N, K) weight in `dtype`, in the shared buffer (valid until the next layer's)."""
+        buffer = DEQUANT_BUFFER.take(self.out_features * self.in_features, dtype)
+        weight = buffer.view(self.out_features, self.in_features)
+        row, threads = 0, self._threads()
+        for part in self.parts:
+            dequantize_into(part, weight[row:row + part.out_features], threads)
+            row += part.out_features
+        return weight
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings read from a quantized matrix, row by row; the same weight
+    serves a tied lm-head (one copy in memory)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        super().__init__()
+        self.weight_q = weight
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = gather_rows(self.weight_q, ids.reshape(-1), self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
