@@ -23,19 +23,36 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
+class WeightDesc(ctypes.Structure):
+    """csrc/quant_linear.c's QuantWeight: a weight's pointers and shape, built once
+    per weight so that a call passes one pointer for all of it."""
+
+    _fields_ = [("codes", _P), ("scales", _P), ("mins", _P), ("out_features", _I),
+                ("in_features", _I), ("group", _I), ("codes_u4", ctypes.c_int32),
+                ("scales_half", ctypes.c_int32)]
+
+    @classmethod
+    def of(cls, w: QuantizedWeight) -> "WeightDesc":
+        # NOTE: holds raw pointers: the QuantizedWeight must outlive it (QuantLinear
+        # keeps both)
+        return cls(w.codes.data_ptr(), w.scales.data_ptr(),
+                   None if w.mins is None else w.mins.data_ptr(), w.out_features,
+                   w.in_features, w.group, int(w.layout == "u4"), int(w.scales_half))
+
+
 class QuantKernels:
     """The library's three entry points, with their C signatures."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.linear = lib.quant_linear
         self.linear.restype = _C
-        self.linear.argtypes = [_P, _C, _I, _I, _P, _C, _P, _P, _C, _I, _P, _C, _I, _I, _C]
+        self.linear.argtypes = [_P, _C, _I, _P, _P, _C, _I, _C]
         self.dequantize = lib.quant_dequantize
         self.dequantize.restype = _C
-        self.dequantize.argtypes = [_P, _C, _P, _P, _C, _I, _I, _I, _P, _C, _C]
+        self.dequantize.argtypes = [_P, _P, _C, _C]
         self.gather_rows = lib.quant_gather_rows
         self.gather_rows.restype = _C
-        self.gather_rows.argtypes = [_P, _C, _P, _P, _C, _I, _I, _I, _P, _I, _P, _C]
+        self.gather_rows.argtypes = [_P, _P, _I, _P, _C]
 
 
 _kernels: QuantKernels | None = None
@@ -52,12 +69,8 @@ def load_quant_kernels() -> tuple[QuantKernels | None, str | None]:
     return _kernels, _problem
 
 
-def _weight_args(w: QuantizedWeight) -> tuple:
-    return (w.codes.data_ptr(), int(w.layout == "u4"), w.scales.data_ptr(),
-            0 if w.mins is None else w.mins.data_ptr(), int(w.scales_half), w.group)
-
-
-def _need(kernels: QuantKernels | None) -> QuantKernels:
+def need_kernels() -> QuantKernels:
+    kernels = _kernels
     if kernels is None:
         kernels, problem = load_quant_kernels()
         if kernels is None:
@@ -65,40 +78,36 @@ def _need(kernels: QuantKernels | None) -> QuantKernels:
     return kernels
 
 
-def quant_matmul_into(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor, column: int,
+def quant_matmul_into(x: torch.Tensor, desc: WeightDesc, out: torch.Tensor, column: int,
                       num_threads: int) -> None:
-    """out[:, column:column + N] = x @ w.T, with the integer kernel. x: (M, K)
+    """out[:, column:column + N] = x @ W.T with the integer kernel. x: (M, K)
     contiguous float32 or bfloat16; out: (M, *) contiguous, float32 or bfloat16."""
-    kernels = _need(_kernels)
-    M, K = x.shape
-    code = kernels.linear(x.data_ptr(), int(x.dtype == torch.bfloat16), M, K, *_weight_args(w),
-                          out.data_ptr() + column * out.element_size(),
-                          int(out.dtype == torch.bfloat16), w.out_features, out.shape[1],
-                          num_threads)
+    code = need_kernels().linear(
+        x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], ctypes.addressof(desc),
+        out.data_ptr() + column * out.element_size(), out.dtype == torch.bfloat16,
+        out.shape[1], num_threads)
     if code != 0:
-        raise RuntimeError(f"quant_linear failed ({code}) for {w.layout} weights of "
-                           f"{w.out_features}x{w.in_features}, group {w.group}")
+        raise RuntimeError(f"quant_linear failed ({code}) for weights of {desc.out_features}x"
+                           f"{desc.in_features}, group {desc.group}")
 
 
-def dequantize_into(w: QuantizedWeight, out: torch.Tensor, num_threads: int) -> None:
+def dequantize_into(desc: WeightDesc, out: torch.Tensor, num_threads: int) -> None:
     """out (N, K), float32 or bfloat16 = the weight's values (rounded to bfloat16)."""
-    kernels = _need(_kernels)
-    code = kernels.dequantize(*_weight_args(w), w.out_features, w.in_features, out.data_ptr(),
-                              int(out.dtype == torch.bfloat16), num_threads)
+    code = need_kernels().dequantize(ctypes.addressof(desc), out.data_ptr(),
+                                     out.dtype == torch.bfloat16, num_threads)
     if code != 0:
         raise RuntimeError(f"quant_dequantize failed ({code})")
 
 
-def gather_rows(w: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def gather_rows(desc: WeightDesc, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(len(ids), K) rows of the weight in `dtype` (float32 or bfloat16); ids (M,) int64,
     each in [0, N) (an IndexError otherwise)."""
-    kernels = _need(_kernels)
     ids = ids.to(torch.int64).contiguous()
-    out = torch.empty((ids.numel(), w.in_features), dtype=dtype)
-    code = kernels.gather_rows(*_weight_args(w), w.out_features, w.in_features, ids.data_ptr(),
-                               ids.numel(), out.data_ptr(), int(dtype == torch.bfloat16))
+    out = torch.empty((ids.numel(), desc.in_features), dtype=dtype)
+    code = need_kernels().gather_rows(ctypes.addressof(desc), ids.data_ptr(), ids.numel(),
+                                      out.data_ptr(), dtype == torch.bfloat16)
     if code == -3:
-        raise IndexError(f"token id out of range [0, {w.out_features})")
+        raise IndexError(f"token id out of range [0, {desc.out_features})")
     if code != 0:
         raise RuntimeError(f"quant_gather_rows failed ({code})")
     return out

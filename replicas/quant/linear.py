@@ -13,7 +13,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from replicas.quant.kernel import ACTIVATION_DTYPES, dequantize_into, gather_rows, quant_matmul_into
+from replicas.quant.kernel import (ACTIVATION_DTYPES, WeightDesc, dequantize_into, gather_rows,
+                                   quant_matmul_into)
 from replicas.quant.layouts import QuantizedWeight
 
 # Rows at and below which the integer kernel runs (measured: docs/performance.md,
@@ -49,6 +50,7 @@ class QuantLinear(nn.Module):
         if not parts or len({p.in_features for p in parts}) != 1:
             raise ValueError("a QuantLinear needs parts of one in_features")
         self.parts = parts
+        self._descs = [WeightDesc.of(p) for p in parts]
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.register_buffer("bias", bias, persistent=False)
@@ -69,14 +71,15 @@ class QuantLinear(nn.Module):
             raise TypeError(f"quantized linear layers run float32 or bfloat16 on CPU, got "
                             f"{x.dtype} on {x.device}")
         shape = x.shape
-        x = x.reshape(-1, self.in_features).contiguous()
+        if x.dim() != 2 or not x.is_contiguous():
+            x = x.reshape(-1, self.in_features).contiguous()
         if x.shape[0] <= self.kernel_max_rows:
             y = self._kernel_forward(x)
         else:
             y = self._gemm_forward(x)
         if self.bias is not None:
             y += self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
 
     def _threads(self) -> int:
         return self.num_threads or torch.get_num_threads()
@@ -84,9 +87,9 @@ class QuantLinear(nn.Module):
     def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
         column, threads = 0, self._threads()
-        for part in self.parts:
-            quant_matmul_into(x, part, out, column, threads)
-            column += part.out_features
+        for desc in self._descs:
+            quant_matmul_into(x, desc, out, column, threads)
+            column += desc.out_features
         return out
 
     def _gemm_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,9 +101,9 @@ class QuantLinear(nn.Module):
         buffer = DEQUANT_BUFFER.take(self.out_features * self.in_features, dtype)
         weight = buffer.view(self.out_features, self.in_features)
         row, threads = 0, self._threads()
-        for part in self.parts:
-            dequantize_into(part, weight[row:row + part.out_features], threads)
-            row += part.out_features
+        for desc in self._descs:
+            dequantize_into(desc, weight[row:row + desc.out_features], threads)
+            row += desc.out_features
         return weight
 
 
@@ -111,9 +114,10 @@ class QuantEmbedding(nn.Module):
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
         super().__init__()
         self.weight_q = weight
+        self._desc = WeightDesc.of(weight)
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = gather_rows(self.weight_q, ids.reshape(-1), self.dtype)
+        rows = gather_rows(self._desc, ids.reshape(-1), self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)

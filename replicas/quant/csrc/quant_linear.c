@@ -16,8 +16,8 @@
  * Scales and mins: one per group, float16 or float32 (float16 where the source's
  * values are exactly float16, as Q4_0/Q4_1/Q5_x/Q8_0's are).
  *
- * Activations: block of 32: d = max|x| / 127, q = round(x / d); per 16 values the
- * sum of q times d, so a group's min term is min * sum(x) without another pass.
+ * Activations: block of 32: d = max|x| / 127, q = round(x / d), and d * sum(q), so
+ * a group's min term is min * sum(x) without another pass over the codes.
  *
  * Portable: the scalar paths compute the same integer dot products; the library
  * is built with -march=native, so a CPU gets the paths its flags allow.
@@ -31,11 +31,28 @@
 #endif
 
 #define QBLOCK 32
+/* blocks ahead of the one a row's loop reads that it prefetches */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 16
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define WIDE512 1
+#endif
 /* weight rows a thread takes at a time: enough to amortise the scheduling, few
  * enough that every thread gets a share of a 576-row matrix */
 #define ROWS_PER_TASK 16
-/* activation rows dotted against one loaded weight group */
-#define MTILE 4
+
+/* A quantized weight as kernel.py's ctypes Structure mirrors it. */
+typedef struct {
+    const uint8_t *codes;   /* u4: (N, K/2) bytes; s8: (N, K) signed bytes */
+    const void *scales;     /* (N, K/group), float16 or float32 */
+    const void *mins;       /* like scales, or NULL; only with groups of 32 */
+    int64_t out_features;   /* N */
+    int64_t in_features;    /* K */
+    int64_t group;          /* 32, or 16 (s8 only) */
+    int32_t codes_u4;
+    int32_t scales_half;
+} QuantWeight;
 
 static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t v) {
     union { uint32_t u; float f; } x;
@@ -81,9 +98,16 @@ static inline __attribute__((always_inline)) float load_scale(const void *p, int
 
 /* ---- activations ------------------------------------------------------- */
 
-/* One block of 32 values: codes, d, and d * sum per 16 values. */
+typedef struct {
+    int8_t *q;     /* M * K codes */
+    float *d;      /* M * K/32 scales */
+    float *sums;   /* M * K/32: d * sum of the block's codes */
+    int64_t K, nblk;
+} Acts;
+
+/* One block of 32 values. */
 static void quantize_block(const void *x, int x_bf16, int64_t offset, int8_t *q, float *d_out,
-                           float *sums_out) {
+                           float *sum_out) {
     float v[QBLOCK];
     if (x_bf16) {
         const uint16_t *xb = (const uint16_t *)x + offset;
@@ -95,29 +119,22 @@ static void quantize_block(const void *x, int x_bf16, int64_t offset, int8_t *q,
     for (int i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
     const float d = amax / 127.0f;
     const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-    int s0 = 0, s1 = 0;
+    int sum = 0;
     for (int i = 0; i < QBLOCK; i++) {
         const int c = (int)lrintf(v[i] * inv);
         q[i] = (int8_t)c;
-        if (i < 16) s0 += c; else s1 += c;
+        sum += c;
     }
     *d_out = d;
-    sums_out[0] = d * (float)s0;
-    sums_out[1] = d * (float)s1;
+    *sum_out = d * (float)sum;
 }
-
-typedef struct {
-    int8_t *q;     /* M * K */
-    float *d;      /* M * K/32 */
-    float *sums;   /* M * K/16 */
-} QuantizedActs;
 
 static __thread void *scratch = NULL;
 static __thread size_t scratch_bytes = 0;
 
-static int acts_alloc(QuantizedActs *a, int64_t M, int64_t K) {
+static int acts_alloc(Acts *a, int64_t M, int64_t K) {
     const size_t nq = (size_t)(M * K), nb = (size_t)(M * K / QBLOCK);
-    const size_t need = ((nq + 63) & ~(size_t)63) + nb * sizeof(float) * 3;
+    const size_t need = ((nq + 63) & ~(size_t)63) + nb * sizeof(float) * 2;
     if (need > scratch_bytes) {
         free(scratch);
         scratch = malloc(need);
@@ -127,10 +144,12 @@ static int acts_alloc(QuantizedActs *a, int64_t M, int64_t K) {
     a->q = (int8_t *)scratch;
     a->d = (float *)((char *)scratch + ((nq + 63) & ~(size_t)63));
     a->sums = a->d + nb;
+    a->K = K;
+    a->nblk = K / QBLOCK;
     return 0;
 }
 
-/* ---- one weight row against up to MTILE activation rows ----------------- */
+/* ---- tiles: R weight rows against MR activation rows --------------------- */
 
 #if defined(__AVX2__)
 static inline __attribute__((always_inline)) __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -149,215 +168,345 @@ static inline __attribute__((always_inline)) float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-#endif
 
-/* codes_u4: the u4 layout, else s8; group: 32, or 16 (s8 only); mins may be NULL. */
-static inline __attribute__((always_inline)) void row_dot(
-        const uint8_t *w, const void *scales, const void *mins, int64_t row, int half,
-        int codes_u4, int64_t group, const QuantizedActs *a, int64_t m0, int mt, int64_t K,
-        float *res) {
-    const int64_t nblk = K / QBLOCK, ngroups = K / group;
-    const int64_t sbase = row * ngroups;
-#if defined(__AVX2__)
-    __m256 acc[MTILE];
-    float minacc[MTILE];
-    for (int r = 0; r < mt; r++) { acc[r] = _mm256_setzero_ps(); minacc[r] = 0.0f; }
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nblk; b++) {
-        __m256i wv;
-        if (codes_u4) {
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + b * 16));
-            wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4),
-                                  _mm_and_si128(bytes, low4));
-        } else {
-            wv = _mm256_loadu_si256((const __m256i *)(w + b * 32));
-        }
-        const __m256i wabs = codes_u4 ? wv : _mm256_sign_epi8(wv, wv);
-        float s0, s1, mn0 = 0.0f, mn1 = 0.0f;
-        if (group == 32) {
-            s0 = s1 = load_scale(scales, sbase + b, half);
-            if (mins) mn0 = mn1 = load_scale(mins, sbase + b, half);
-        } else {
-            s0 = load_scale(scales, sbase + 2 * b, half);
-            s1 = load_scale(scales, sbase + 2 * b + 1, half);
-            if (mins) { mn0 = load_scale(mins, sbase + 2 * b, half);
-                        mn1 = load_scale(mins, sbase + 2 * b + 1, half); }
-        }
-        for (int r = 0; r < mt; r++) {
-            const int64_t m = m0 + r;
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + m * K + b * 32));
-            /* NOTE: signed codes: |w| times x with w's sign, so maddubs' unsigned side is |w| */
-            if (!codes_u4) xv = _mm256_sign_epi8(xv, wv);
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wabs, xv));
-            const float dx = a->d[m * nblk + b];
-            const __m256 scale = _mm256_set_m128(_mm_set1_ps(s1 * dx), _mm_set1_ps(s0 * dx));
-            acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
-            if (mins) {
-                const float *sums = a->sums + m * 2 * nblk + 2 * b;
-                minacc[r] += mn0 * sums[0] + mn1 * sums[1];
-            }
-        }
-    }
-    for (int r = 0; r < mt; r++) res[r] = hsum(acc[r]) + minacc[r];
+/* 8 finite floats -> bfloat16, rounded to nearest even (weights are finite) */
+static inline __attribute__((always_inline)) __m128i narrow8(__m256 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    return (__m128i)_mm256_cvtneps_pbh(v);
 #else
-    for (int r = 0; r < mt; r++) res[r] = 0.0f;
-    for (int64_t b = 0; b < nblk; b++) {
-        int8_t wq[QBLOCK];
-        if (codes_u4) {
-            for (int j = 0; j < 16; j++) {
-                wq[j] = (int8_t)(w[b * 16 + j] & 0x0f);
-                wq[j + 16] = (int8_t)(w[b * 16 + j] >> 4);
-            }
-        } else {
-            memcpy(wq, w + b * 32, QBLOCK);
-        }
-        float s0, s1, mn0 = 0.0f, mn1 = 0.0f;
-        if (group == 32) {
-            s0 = s1 = load_scale(scales, sbase + b, half);
-            if (mins) mn0 = mn1 = load_scale(mins, sbase + b, half);
-        } else {
-            s0 = load_scale(scales, sbase + 2 * b, half);
-            s1 = load_scale(scales, sbase + 2 * b + 1, half);
-            if (mins) { mn0 = load_scale(mins, sbase + 2 * b, half);
-                        mn1 = load_scale(mins, sbase + 2 * b + 1, half); }
-        }
-        for (int r = 0; r < mt; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *xq = a->q + m * K + b * 32;
-            int32_t p0 = 0, p1 = 0;
-            for (int j = 0; j < 16; j++) p0 += (int32_t)wq[j] * xq[j];
-            for (int j = 16; j < 32; j++) p1 += (int32_t)wq[j] * xq[j];
-            const float dx = a->d[m * nblk + b];
-            res[r] += (s0 * dx) * (float)p0 + (s1 * dx) * (float)p1;
-            if (mins) {
-                const float *sums = a->sums + m * 2 * nblk + 2 * b;
-                res[r] += mn0 * sums[0] + mn1 * sums[1];
-            }
-        }
-    }
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 #endif
 }
+#endif
 
-/* Specialised copies of row_dot, so the per-group branches fold away. */
-#define ROW_DOT_VARIANT(NAME, HALF, U4, GROUP)                                              \
-    static void NAME(const uint8_t *w, const void *s, const void *mn, int64_t row,           \
-                     const QuantizedActs *a, int64_t m0, int mt, int64_t K, float *res) {    \
-        row_dot(w, s, mn, row, HALF, U4, GROUP, a, m0, mt, K, res);                          \
+/* sum over the row's groups of min * (d * sum of codes): the mins' share of a dot */
+static inline __attribute__((always_inline)) float min_term(const QuantWeight *w, int half,
+                                                            int64_t row, const float *sums,
+                                                            int64_t ngroups) {
+    int64_t g = 0;
+    float total = 0.0f;
+#if defined(__AVX2__) && defined(__F16C__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; g + 8 <= ngroups; g += 8) {
+        const int64_t at = row * ngroups + g;
+        const __m256 mn = half
+            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w->mins + at)))
+            : _mm256_loadu_ps((const float *)w->mins + at);
+        acc = _mm256_fmadd_ps(mn, _mm256_loadu_ps(sums + g), acc);
     }
-ROW_DOT_VARIANT(dot_u4_f16, 1, 1, 32)
-ROW_DOT_VARIANT(dot_u4_f32, 0, 1, 32)
-ROW_DOT_VARIANT(dot_s8_f16, 1, 0, 32)
-ROW_DOT_VARIANT(dot_s8_f32, 0, 0, 32)
-ROW_DOT_VARIANT(dot_s8g16_f16, 1, 0, 16)
-ROW_DOT_VARIANT(dot_s8g16_f32, 0, 0, 16)
+    total = hsum(acc);
+#endif
+    for (; g < ngroups; g++) total += load_scale(w->mins, row * ngroups + g, half) * sums[g];
+    return total;
+}
 
-typedef void (*RowDot)(const uint8_t *, const void *, const void *, int64_t,
-                       const QuantizedActs *, int64_t, int, int64_t, float *);
+static inline __attribute__((always_inline)) void tile(
+        const QuantWeight *w, const int U4, const int HALF, const int G16, const int R,
+        const int MR, int64_t row0, const Acts *a, int64_t m0, float *res) {
+    const int64_t K = a->K, nblk = a->nblk, ngroups = K / (G16 ? 16 : 32);
+    const int64_t row_bytes = U4 ? K / 2 : K;
+#if defined(__AVX2__)
+    __m256 acc[4 * 4];
+    for (int i = 0; i < R * MR; i++) acc[i] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    int64_t b = 0;
+#if defined(WIDE512)
+    /* NOTE: two blocks an iteration in 512-bit registers: half the instructions of
+     * the 256-bit loop below, which then takes an odd last block */
+    __m512 acc5[4 * 4];
+    for (int i = 0; i < R * MR; i++) acc5[i] = _mm512_setzero_ps();
+    const __m512i idx16 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (; b + 2 <= nblk; b += 2) {
+        __m512i wv[4];
+        __m512 sv[4];
+        __mmask64 negative[4];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *wr = w->codes + (row0 + r) * row_bytes;
+            /* NOTE: a few cache lines ahead of the loads: the rows stream from memory */
+            _mm_prefetch((const char *)(wr + R * row_bytes + b * (U4 ? 16 : 32)), _MM_HINT_T0);
+            if (U4) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(wr + b * 16));
+                const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0f));
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0f));
+                /* [b low, b+1 low, b high, b+1 high] -> value order [b low, b high, b+1 low, b+1 high] */
+                const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                wv[r] = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+            } else {
+                const __m512i codes = _mm512_loadu_si512((const void *)(wr + b * 32));
+                negative[r] = _mm512_movepi8_mask(codes);
+                wv[r] = _mm512_abs_epi8(codes);
+            }
+            const int64_t sg = (row0 + r) * ngroups + (G16 ? 2 * b : b);
+            if (G16) {
+                const __m128 s4 = _mm_set_ps(load_scale(w->scales, sg + 3, HALF),
+                                             load_scale(w->scales, sg + 2, HALF),
+                                             load_scale(w->scales, sg + 1, HALF),
+                                             load_scale(w->scales, sg, HALF));
+                sv[r] = _mm512_permutexvar_ps(idx16, _mm512_castps128_ps512(s4));
+            } else {
+                sv[r] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(load_scale(w->scales, sg, HALF))),
+                                           _mm256_set1_ps(load_scale(w->scales, sg + 1, HALF)), 1);
+            }
+        }
+        for (int m = 0; m < MR; m++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(a->q + (m0 + m) * K + b * 32));
+            const float *dx = a->d + (m0 + m) * nblk + b;
+            const __m512 dxv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(dx[0])),
+                                                  _mm256_set1_ps(dx[1]), 1);
+            for (int r = 0; r < R; r++) {
+                /* NOTE: signed codes: |w| times x with w's sign */
+                const __m512i xs = U4 ? xv : _mm512_mask_sub_epi8(xv, negative[r], _mm512_setzero_si512(), xv);
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xs));
+                acc5[r * MR + m] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dxv), sv[r], acc5[r * MR + m]);
+            }
+        }
+    }
+    for (int i = 0; i < R * MR; i++)
+        acc[i] = _mm256_add_ps(_mm512_castps512_ps256(acc5[i]), _mm512_extractf32x8_ps(acc5[i], 1));
+#endif
+    for (; b < nblk; b++) {
+        __m256i wv[4], wabs[4];
+        float s0[4], s1[4];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *wr = w->codes + (row0 + r) * row_bytes;
+            if (U4) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + b * 16));
+                wv[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4),
+                                         _mm_and_si128(bytes, low4));
+                wabs[r] = wv[r];
+            } else {
+                wv[r] = _mm256_loadu_si256((const __m256i *)(wr + b * 32));
+                /* NOTE: |w| on the unsigned side of the product, w's sign moved onto x */
+                wabs[r] = _mm256_sign_epi8(wv[r], wv[r]);
+            }
+            const int64_t sg = (row0 + r) * ngroups + (G16 ? 2 * b : b);
+            s0[r] = load_scale(w->scales, sg, HALF);
+            s1[r] = G16 ? load_scale(w->scales, sg + 1, HALF) : s0[r];
+        }
+        for (int m = 0; m < MR; m++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + m) * K + b * 32));
+            const float dx = a->d[(m0 + m) * nblk + b];
+            for (int r = 0; r < R; r++) {
+                const __m256i xs = U4 ? xv : _mm256_sign_epi8(xv, wv[r]);
+                const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wabs[r], xs));
+                const __m256 scale = G16
+                    ? _mm256_set_m128(_mm_set1_ps(s1[r] * dx), _mm_set1_ps(s0[r] * dx))
+                    : _mm256_set1_ps(s0[r] * dx);
+                acc[r * MR + m] = _mm256_fmadd_ps(dot, scale, acc[r * MR + m]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MR; m++) res[r * MR + m] = hsum(acc[r * MR + m]);
+#else
+    for (int i = 0; i < R * MR; i++) res[i] = 0.0f;
+    for (int64_t b = 0; b < nblk; b++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *wr = w->codes + (row0 + r) * row_bytes;
+            int8_t wq[QBLOCK];
+            if (U4) {
+                for (int j = 0; j < 16; j++) {
+                    wq[j] = (int8_t)(wr[b * 16 + j] & 0x0f);
+                    wq[j + 16] = (int8_t)(wr[b * 16 + j] >> 4);
+                }
+            } else {
+                memcpy(wq, wr + b * 32, QBLOCK);
+            }
+            const int64_t sg = (row0 + r) * ngroups + (G16 ? 2 * b : b);
+            const float s0 = load_scale(w->scales, sg, HALF);
+            const float s1 = G16 ? load_scale(w->scales, sg + 1, HALF) : s0;
+            for (int m = 0; m < MR; m++) {
+                const int8_t *xq = a->q + (m0 + m) * K + b * 32;
+                int32_t p0 = 0, p1 = 0;
+                for (int j = 0; j < 16; j++) p0 += (int32_t)wq[j] * xq[j];
+                for (int j = 16; j < 32; j++) p1 += (int32_t)wq[j] * xq[j];
+                const float dx = a->d[(m0 + m) * nblk + b];
+                res[r * MR + m] += (s0 * dx) * (float)p0 + (s1 * dx) * (float)p1;
+            }
+        }
+    }
+#endif
+    if (w->mins) {
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < MR; m++)
+                res[r * MR + m] += min_term(w, HALF, row0 + r, a->sums + (m0 + m) * nblk, ngroups);
+    }
+}
 
-static RowDot pick_row_dot(int codes_u4, int64_t group, int half) {
-    if (codes_u4) return half ? dot_u4_f16 : dot_u4_f32;
-    if (group == 16) return half ? dot_s8g16_f16 : dot_s8g16_f32;
-    return half ? dot_s8_f16 : dot_s8_f32;
+static inline __attribute__((always_inline)) void store(void *out, int out_bf16, int64_t at,
+                                                        float v) {
+    if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(v);
+    else ((float *)out)[at] = v;
+}
+
+/* Output columns [n0, n1) for every activation row: 4 weight rows a tile when there
+ * is one activation row (decode), 2 weight x 4 activation rows otherwise; then
+ * what is left over, one by one. */
+static inline __attribute__((always_inline)) void rows_task(
+        const QuantWeight *w, const int U4, const int HALF, const int G16, const Acts *a,
+        int64_t M, int64_t n0, int64_t n1, void *out, int out_bf16, int64_t ldo) {
+    float res[16];
+    int64_t n = n0;
+    if (M == 1) {
+        for (; n + 4 <= n1; n += 4) {
+            tile(w, U4, HALF, G16, 4, 1, n, a, 0, res);
+            for (int r = 0; r < 4; r++) store(out, out_bf16, n + r, res[r]);
+        }
+    } else {
+        for (; n + 2 <= n1; n += 2) {
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4) {
+                tile(w, U4, HALF, G16, 2, 4, n, a, m, res);
+                for (int r = 0; r < 2; r++)
+                    for (int i = 0; i < 4; i++)
+                        store(out, out_bf16, (m + i) * ldo + n + r, res[r * 4 + i]);
+            }
+            for (; m < M; m++) {
+                tile(w, U4, HALF, G16, 2, 1, n, a, m, res);
+                for (int r = 0; r < 2; r++) store(out, out_bf16, m * ldo + n + r, res[r]);
+            }
+        }
+    }
+    for (; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            tile(w, U4, HALF, G16, 1, 1, n, a, m, res);
+            store(out, out_bf16, m * ldo + n, res[0]);
+        }
+}
+
+typedef void (*RowsTask)(const QuantWeight *, const Acts *, int64_t, int64_t, int64_t, void *,
+                         int, int64_t);
+
+/* Specialised copies, so every layout test folds away inside the loops. */
+#define ROWS_VARIANT(NAME, U4, HALF, G16)                                                  \
+    static void NAME(const QuantWeight *w, const Acts *a, int64_t M, int64_t n0, int64_t n1, \
+                     void *out, int out_bf16, int64_t ldo) {                                \
+        rows_task(w, U4, HALF, G16, a, M, n0, n1, out, out_bf16, ldo);                      \
+    }
+ROWS_VARIANT(rows_u4_f16, 1, 1, 0)
+ROWS_VARIANT(rows_u4_f32, 1, 0, 0)
+ROWS_VARIANT(rows_s8_f16, 0, 1, 0)
+ROWS_VARIANT(rows_s8_f32, 0, 0, 0)
+ROWS_VARIANT(rows_s8g16_f16, 0, 1, 1)
+ROWS_VARIANT(rows_s8g16_f32, 0, 0, 1)
+
+static RowsTask pick_rows_task(const QuantWeight *w) {
+    if (w->codes_u4) return w->scales_half ? rows_u4_f16 : rows_u4_f32;
+    if (w->group == 16) return w->scales_half ? rows_s8g16_f16 : rows_s8g16_f32;
+    return w->scales_half ? rows_s8_f16 : rows_s8_f32;
+}
+
+/* One weight row as floats (or bfloat16, rounded to nearest even): scale * code,
+ * plus min where given. Fixed-size inner loops, so the compiler vectorises them. */
+static void dequant_row(const QuantWeight *qw, int64_t row, void *out, int out_bf16) {
+    const int64_t K = qw->in_features, nblk = K / QBLOCK, per_block = QBLOCK / qw->group;
+    const int64_t ngroups = K / qw->group;
+    const uint8_t *w = qw->codes + row * (qw->codes_u4 ? K / 2 : K);
+    for (int64_t b = 0; b < nblk; b++) {
+        int8_t codes[QBLOCK];
+        if (qw->codes_u4) {
+#if defined(__AVX2__)
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + b * 16));
+            const __m128i low4 = _mm_set1_epi8(0x0f);
+            _mm_storeu_si128((__m128i *)codes, _mm_and_si128(bytes, low4));
+            _mm_storeu_si128((__m128i *)(codes + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+#else
+            for (int j = 0; j < 16; j++) {
+                codes[j] = (int8_t)(w[b * 16 + j] & 0x0f);
+                codes[j + 16] = (int8_t)(w[b * 16 + j] >> 4);
+            }
+#endif
+        } else {
+            memcpy(codes, w + b * QBLOCK, QBLOCK);
+        }
+        /* NOTE: groups of 16 take the block's two halves; of 32, one scale for both */
+        const int64_t g = row * ngroups + b * per_block;
+        const float s0 = load_scale(qw->scales, g, qw->scales_half);
+        const float s1 = per_block == 2 ? load_scale(qw->scales, g + 1, qw->scales_half) : s0;
+        const float m0 = qw->mins ? load_scale(qw->mins, g, qw->scales_half) : 0.0f;
+        const float m1 = qw->mins && per_block == 2 ? load_scale(qw->mins, g + 1, qw->scales_half) : m0;
+#if defined(__AVX2__)
+        for (int j = 0; j < QBLOCK; j += 8) {
+            const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + j))));
+            const __m256 v = j < 16 ? _mm256_fmadd_ps(_mm256_set1_ps(s0), c, _mm256_set1_ps(m0))
+                                    : _mm256_fmadd_ps(_mm256_set1_ps(s1), c, _mm256_set1_ps(m1));
+            if (out_bf16) {
+                _mm_storeu_si128((__m128i *)((uint16_t *)out + b * QBLOCK + j), narrow8(v));
+            } else {
+                _mm256_storeu_ps((float *)out + b * QBLOCK + j, v);
+            }
+        }
+#else
+        float v[QBLOCK];
+        for (int j = 0; j < 16; j++) v[j] = s0 * (float)codes[j] + m0;
+        for (int j = 16; j < QBLOCK; j++) v[j] = s1 * (float)codes[j] + m1;
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + b * QBLOCK;
+            for (int j = 0; j < QBLOCK; j++) o[j] = f32_to_bf16(v[j]);
+        } else {
+            memcpy((float *)out + b * QBLOCK, v, sizeof v);
+        }
+#endif
+    }
 }
 
 /* ---- entry points ------------------------------------------------------ */
 
-static int layout_ok(int codes_u4, int64_t group, int64_t K) {
-    return K % QBLOCK == 0 && (group == 32 || (group == 16 && !codes_u4));
+static int weight_ok(const QuantWeight *w) {
+    return w->in_features % QBLOCK == 0 && w->in_features > 0 && w->out_features >= 0
+        && (w->group == 32 || (w->group == 16 && !w->codes_u4 && !w->mins));
 }
-
 
 /* out (M, N) = x (M, K) @ W.T (no bias: the caller adds it), row m of the output at
  * out + m * out_stride elements, so parts of a fused layer write their own columns.
- * Returns 0, or
- * -1 for shapes the layout cannot hold (K not a multiple of 32, a group other than
- * 32, or 16 with u4), -2 when scratch memory cannot be had. */
-int quant_linear(const void *x, int x_bf16, int64_t M, int64_t K,
-                 const uint8_t *codes, int codes_u4, const void *scales, const void *mins,
-                 int scales_half, int64_t group, void *out, int out_bf16, int64_t N,
-                 int64_t out_stride, int num_threads) {
-    if (!layout_ok(codes_u4, group, K) || M < 0 || N < 0) return -1;
+ * Returns 0, -1 for a weight the layouts cannot hold (K not a multiple of 32, groups
+ * of 16 with u4 codes or with mins), -2 when scratch memory cannot be had. */
+int quant_linear(const void *x, int x_bf16, int64_t M, const QuantWeight *w, void *out,
+                 int out_bf16, int64_t out_stride, int num_threads) {
+    if (!weight_ok(w) || M < 0) return -1;
     if (num_threads < 1) num_threads = 1;
-    QuantizedActs a;
-    if (acts_alloc(&a, M, K)) return -2;
-    const int64_t nblk = K / QBLOCK, row_bytes = codes_u4 ? K / 2 : K;
-    const RowDot dot = pick_row_dot(codes_u4, group, scales_half);
+    Acts a;
+    if (acts_alloc(&a, M, w->in_features)) return -2;
+    const RowsTask task = pick_rows_task(w);
+    const int64_t N = w->out_features, nblk = a.nblk;
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M * nblk; i++) {
-            quantize_block(x, x_bf16, i * QBLOCK, a.q + i * QBLOCK, a.d + i, a.sums + 2 * i);
-        }
+        for (int64_t i = 0; i < M * nblk; i++)
+            quantize_block(x, x_bf16, i * QBLOCK, a.q + i * QBLOCK, a.d + i, a.sums + i);
         #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += ROWS_PER_TASK) {
             const int64_t n1 = n0 + ROWS_PER_TASK < N ? n0 + ROWS_PER_TASK : N;
-            float res[MTILE];
-            for (int64_t n = n0; n < n1; n++) {
-                const uint8_t *w = codes + n * row_bytes;
-                for (int64_t m0 = 0; m0 < M; m0 += MTILE) {
-                    const int mt = (int)(M - m0 < MTILE ? M - m0 : MTILE);
-                    dot(w, scales, mins, n, &a, m0, mt, K, res);
-                    for (int r = 0; r < mt; r++) {
-                        const int64_t at = (m0 + r) * out_stride + n;
-                        if (out_bf16) ((uint16_t *)out)[at] = f32_to_bf16(res[r]);
-                        else ((float *)out)[at] = res[r];
-                    }
-                }
-            }
+            task(w, &a, M, n0, n1, out, out_bf16, out_stride);
         }
     }
     return 0;
 }
 
-/* One weight row as floats (or bfloat16, rounded to nearest even): scale * code,
- * plus min where given. */
-static void dequant_row(const uint8_t *codes, int codes_u4, const void *scales, const void *mins,
-                        int half, int64_t group, int64_t row, int64_t K, void *out, int out_bf16) {
-    const int64_t ngroups = K / group, row_bytes = codes_u4 ? K / 2 : K;
-    const uint8_t *w = codes + row * row_bytes;
-    for (int64_t k = 0; k < K; k++) {
-        int code;
-        if (codes_u4) {
-            const int64_t b = k / QBLOCK, j = k % QBLOCK;
-            const uint8_t byte = w[b * 16 + (j & 15)];
-            code = j < 16 ? (byte & 0x0f) : (byte >> 4);
-        } else {
-            code = (int8_t)w[k];
-        }
-        const int64_t g = row * ngroups + k / group;
-        float v = load_scale(scales, g, half) * (float)code;
-        if (mins) v += load_scale(mins, g, half);
-        if (out_bf16) ((uint16_t *)out)[k] = f32_to_bf16(v);
-        else ((float *)out)[k] = v;
-    }
-}
-
-/* out (N, K) = every weight row, as dequant_row writes it. Returns -1 for a layout
- * it cannot hold. */
-int quant_dequantize(const uint8_t *codes, int codes_u4, const void *scales, const void *mins,
-                     int scales_half, int64_t group, int64_t N, int64_t K, void *out,
-                     int out_bf16, int num_threads) {
-    if (!layout_ok(codes_u4, group, K)) return -1;
+/* out (N, K) = every weight row, as dequant_row writes it; -1 for a weight the
+ * layouts cannot hold. */
+int quant_dequantize(const QuantWeight *w, void *out, int out_bf16, int num_threads) {
+    if (!weight_ok(w)) return -1;
     if (num_threads < 1) num_threads = 1;
-    const size_t row_out = (size_t)K * (out_bf16 ? 2 : 4);
+    const size_t row_out = (size_t)w->in_features * (out_bf16 ? 2 : 4);
     #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < N; n++)
-        dequant_row(codes, codes_u4, scales, mins, scales_half, group, n, K,
-                    (char *)out + n * row_out, out_bf16);
+    for (int64_t n = 0; n < w->out_features; n++)
+        dequant_row(w, n, (char *)out + n * row_out, out_bf16);
     return 0;
 }
 
-/* out (M, K) = weight rows `ids` (an embedding lookup). Returns -1 for a layout it
+/* out (M, K) = weight rows `ids` (an embedding lookup); -1 for a weight the layouts
  * cannot hold, -3 for an id outside [0, N). */
-int quant_gather_rows(const uint8_t *codes, int codes_u4, const void *scales, const void *mins,
-                      int scales_half, int64_t group, int64_t N, int64_t K, const int64_t *ids,
-                      int64_t M, void *out, int out_bf16) {
-    if (!layout_ok(codes_u4, group, K)) return -1;
+int quant_gather_rows(const QuantWeight *w, const int64_t *ids, int64_t M, void *out,
+                      int out_bf16) {
+    if (!weight_ok(w)) return -1;
     for (int64_t m = 0; m < M; m++)
-        if (ids[m] < 0 || ids[m] >= N) return -3;
-    const size_t row_out = (size_t)K * (out_bf16 ? 2 : 4);
+        if (ids[m] < 0 || ids[m] >= w->out_features) return -3;
+    const size_t row_out = (size_t)w->in_features * (out_bf16 ? 2 : 4);
     for (int64_t m = 0; m < M; m++)
-        dequant_row(codes, codes_u4, scales, mins, scales_half, group, ids[m], K,
-                    (char *)out + m * row_out, out_bf16);
+        dequant_row(w, ids[m], (char *)out + m * row_out, out_bf16);
     return 0;
 }
