@@ -277,6 +277,9 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     max_waiting_prompt_tokens: int | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave as is
+    # CPU, with num_threads below the cores: while every other engine replica on the
+    # machine is idle, this one's steps run on all the cores (replicas/idle_cores.py)
+    use_idle_cores: bool = True
     # Reuse the K/V of full blocks of earlier prompts (shared system prompts, chat
     # turns); cached blocks stay until free blocks run out.
     enable_prefix_caching: bool = True
@@ -310,6 +313,8 @@ class EngineConfig:
         _check(isinstance(self.enforce_eager, bool), "enforce_eager", "a boolean", self.enforce_eager)
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a boolean",
                self.enable_prefix_caching)
+        _check(isinstance(self.use_idle_cores, bool), "use_idle_cores", "a boolean",
+               self.use_idle_cores)
         _check(self.attention_backend in ATTENTION_BACKENDS,
                "attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}",
                self.attention_backend)

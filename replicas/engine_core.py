@@ -17,6 +17,7 @@ from deltas.sink import DeltaSink
 from deltas.types import FinishReason
 from replicas.config import EngineConfig, SamplingParams
 from replicas.engine_stats import EngineStats
+from replicas.idle_cores import StepThreads
 from replicas.kv_cache.kv_budget import make_block_manager
 from replicas.checkpoints.model_resolution import resolve_model
 from replicas.model_runner import ModelRunner
@@ -46,6 +47,8 @@ class EngineCore:
         self.eos_token_ids = model.eos_token_ids
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, tuple(self.eos_token_ids))
         self.runner = ModelRunner(config, self.model_dir, self.max_model_len)
+        self.step_threads = StepThreads.for_engine(config.num_threads, config.use_idle_cores,
+                                                   config.device)
         self.grammars = GrammarCompiler(self.model_dir, self.vocab_size, self.eos_token_ids)
         self.model_config = self.runner.model_config
         self.block_manager = make_block_manager(self.runner.num_blocks, config, self.max_model_len)
@@ -69,6 +72,9 @@ class EngineCore:
         """
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
+            step_threads = getattr(self, "step_threads", None)
+            if step_threads is not None:
+                step_threads.current = self.config.num_threads
 
     # -- requests -------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -127,9 +133,15 @@ class EngineCore:
             self.output.wait()
             self._free_finished()
             self._publish_stats()
+            if self.step_threads is not None:
+                self.step_threads.idle()
             return False
+        if self.step_threads is not None:
+            self.step_threads.before_step(self.scheduler.num_unfinished)
         self._run(sched)
         self._publish_stats()
+        if self.step_threads is not None and not self.has_work:
+            self.step_threads.idle()
         return True
 
     def _run(self, sched: SchedulerOutput) -> None:
@@ -227,3 +239,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.output.shutdown()
+        if self.step_threads is not None:
+            self.step_threads.close()

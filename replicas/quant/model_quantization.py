@@ -30,9 +30,9 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
             continue
         weight = quantize_weight(child.weight, scheme)
         bias = None if child.bias is None else child.bias.detach()
-        setattr(parent, name, QuantLinear([weight], bias))
         if tied and child is model.lm_head:
             model.embed_tokens = QuantEmbedding(weight, child.weight.dtype)
+        setattr(parent, name, QuantLinear([weight], bias))
         num_quantized += 1
     logger.info("quantized %d linear layers to %s at load%s", num_quantized, scheme,
                 f" ({len(kept)} stay float: in_features not a multiple of 32)" if kept else "")

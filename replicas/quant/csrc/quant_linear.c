@@ -16,8 +16,8 @@
  * Scales and mins: one per group, float16 or float32 (float16 where the source's
  * values are exactly float16, as Q4_0/Q4_1/Q5_x/Q8_0's are).
  *
- * Activations: block of 32: d = max|x| / 127, q = round(x / d), and d * sum(q), so
- * a group's min term is min * sum(x) without another pass over the codes.
+ * Activations: per 16 values d = max|x| / 127 and q = round(x / d); per 32 the sum
+ * of d * q, so a group's min term is min * sum(x) without another pass.
  *
  * Portable: the scalar paths compute the same integer dot products; the library
  * is built with -march=native, so a CPU gets the paths its flags allow.
@@ -100,12 +100,13 @@ static inline __attribute__((always_inline)) float load_scale(const void *p, int
 
 typedef struct {
     int8_t *q;     /* M * K codes */
-    float *d;      /* M * K/32 scales */
-    float *sums;   /* M * K/32: d * sum of the block's codes */
+    float *d;      /* M * K/16 scales, one per 16 values */
+    float *sums;   /* M * K/32: per block of 32, the sum of its values as quantized */
     int64_t K, nblk;
 } Acts;
 
-/* One block of 32 values. */
+/* One block of 32 values: a scale per 16 (a value far from its neighbours coarsens
+ * only its own half), and d * sum(q) over the 32 for the min term. */
 static void quantize_block(const void *x, int x_bf16, int64_t offset, int8_t *q, float *d_out,
                            float *sum_out) {
     float v[QBLOCK];
@@ -115,18 +116,25 @@ static void quantize_block(const void *x, int x_bf16, int64_t offset, int8_t *q,
     } else {
         memcpy(v, (const float *)x + offset, sizeof v);
     }
-    float amax = 0.0f;
-    for (int i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
-    const float d = amax / 127.0f;
-    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-    int sum = 0;
-    for (int i = 0; i < QBLOCK; i++) {
-        const int c = (int)lrintf(v[i] * inv);
-        q[i] = (int8_t)c;
-        sum += c;
+    float total = 0.0f;
+    for (int h = 0; h < 2; h++) {
+        const float *vh = v + 16 * h;
+        float amax = 0.0f;
+        for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(vh[i]));
+        const float d = amax / 127.0f;
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < 16; i++) {
+            const int c = (int)lrintf(vh[i] * inv);
+            q[16 * h + i] = (int8_t)c;
+            sum += c;
+        }
+        d_out[h] = d;
+        /* NOTE: the codes' sum, not the values': the min term then pairs the same
+         * rounded activations as the codes' dot (measured: closer to the float path) */
+        total += d * (float)sum;
     }
-    *d_out = d;
-    *sum_out = d * (float)sum;
+    *sum_out = total;
 }
 
 static __thread void *scratch = NULL;
@@ -134,7 +142,7 @@ static __thread size_t scratch_bytes = 0;
 
 static int acts_alloc(Acts *a, int64_t M, int64_t K) {
     const size_t nq = (size_t)(M * K), nb = (size_t)(M * K / QBLOCK);
-    const size_t need = ((nq + 63) & ~(size_t)63) + nb * sizeof(float) * 2;
+    const size_t need = ((nq + 63) & ~(size_t)63) + nb * sizeof(float) * 3;
     if (need > scratch_bytes) {
         free(scratch);
         scratch = malloc(need);
@@ -143,7 +151,7 @@ static int acts_alloc(Acts *a, int64_t M, int64_t K) {
     }
     a->q = (int8_t *)scratch;
     a->d = (float *)((char *)scratch + ((nq + 63) & ~(size_t)63));
-    a->sums = a->d + nb;
+    a->sums = a->d + 2 * nb;
     a->K = K;
     a->nblk = K / QBLOCK;
     return 0;
@@ -182,7 +190,7 @@ static inline __attribute__((always_inline)) __m128i narrow8(__m256 v) {
 }
 #endif
 
-/* sum over the row's groups of min * (d * sum of codes): the mins' share of a dot */
+/* sum over the row's groups of min * (sum of the quantized values): the mins' share */
 static inline __attribute__((always_inline)) float min_term(const QuantWeight *w, int half,
                                                             int64_t row, const float *sums,
                                                             int64_t ngroups) {
@@ -253,9 +261,9 @@ static inline __attribute__((always_inline)) void tile(
         }
         for (int m = 0; m < MR; m++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(a->q + (m0 + m) * K + b * 32));
-            const float *dx = a->d + (m0 + m) * nblk + b;
-            const __m512 dxv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(dx[0])),
-                                                  _mm256_set1_ps(dx[1]), 1);
+            /* NOTE: the four scales of these 64 values, one per 16 (4 int32 lanes) */
+            const __m512 dxv = _mm512_permutexvar_ps(idx16, _mm512_castps128_ps512(
+                _mm_loadu_ps(a->d + 2 * ((m0 + m) * nblk + b))));
             for (int r = 0; r < R; r++) {
                 /* NOTE: signed codes: |w| times x with w's sign */
                 const __m512i xs = U4 ? xv : _mm512_mask_sub_epi8(xv, negative[r], _mm512_setzero_si512(), xv);
@@ -288,13 +296,12 @@ static inline __attribute__((always_inline)) void tile(
         }
         for (int m = 0; m < MR; m++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + m) * K + b * 32));
-            const float dx = a->d[(m0 + m) * nblk + b];
+            const float *dx = a->d + 2 * ((m0 + m) * nblk + b);
             for (int r = 0; r < R; r++) {
                 const __m256i xs = U4 ? xv : _mm256_sign_epi8(xv, wv[r]);
                 const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wabs[r], xs));
-                const __m256 scale = G16
-                    ? _mm256_set_m128(_mm_set1_ps(s1[r] * dx), _mm_set1_ps(s0[r] * dx))
-                    : _mm256_set1_ps(s0[r] * dx);
+                const __m256 scale = _mm256_set_m128(_mm_set1_ps(s1[r] * dx[1]),
+                                                     _mm_set1_ps(s0[r] * dx[0]));
                 acc[r * MR + m] = _mm256_fmadd_ps(dot, scale, acc[r * MR + m]);
             }
         }
@@ -323,8 +330,8 @@ static inline __attribute__((always_inline)) void tile(
                 int32_t p0 = 0, p1 = 0;
                 for (int j = 0; j < 16; j++) p0 += (int32_t)wq[j] * xq[j];
                 for (int j = 16; j < 32; j++) p1 += (int32_t)wq[j] * xq[j];
-                const float dx = a->d[(m0 + m) * nblk + b];
-                res[r * MR + m] += (s0 * dx) * (float)p0 + (s1 * dx) * (float)p1;
+                const float *dx = a->d + 2 * ((m0 + m) * nblk + b);
+                res[r * MR + m] += (s0 * dx[0]) * (float)p0 + (s1 * dx[1]) * (float)p1;
             }
         }
     }
@@ -476,7 +483,7 @@ int quant_linear(const void *x, int x_bf16, int64_t M, const QuantWeight *w, voi
     {
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < M * nblk; i++)
-            quantize_block(x, x_bf16, i * QBLOCK, a.q + i * QBLOCK, a.d + i, a.sums + i);
+            quantize_block(x, x_bf16, i * QBLOCK, a.q + i * QBLOCK, a.d + 2 * i, a.sums + i);
         #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += ROWS_PER_TASK) {
             const int64_t n1 = n0 + ROWS_PER_TASK < N ? n0 + ROWS_PER_TASK : N;

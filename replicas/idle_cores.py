@@ -1,0 +1,158 @@
+"""A lone stream on a CPU machine gets every core: engine replicas that share a
+machine say on a board whether they have work, and a replica with work while
+every other one is idle runs its steps on all the cores.
+
+Why: the local layout gives each engine replica one core's threads
+(cluster/launcher/cpu_layout.py), which is what many streams need, but a decode
+step of one stream reads every weight, and one core cannot pull the machine's
+memory bandwidth alone. When the other replicas are idle their cores are too,
+so the replica that has work takes them; as soon as another replica has work,
+each goes back to its own share at its next step.
+
+The board is a small shared-memory file of one row per engine process of this
+user on this machine (pid, rows in its batch, last heartbeat). A process that
+died keeps its row until its heartbeat is stale, then counts as idle, and its
+row is claimed again.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import tempfile
+import time
+
+import numpy as np
+
+logger = logging.getLogger("stepstream")
+
+NUM_SLOTS = 64
+PID, ROWS, HEARTBEAT = 0, 1, 2
+# A row whose heartbeat is older than this counts as idle: its process died with work
+STALE_NS = 5_000_000_000
+BOARD_ENV = "STEPSTREAM_CORE_BOARD"
+
+
+def default_board_path() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.environ.get(BOARD_ENV) or os.path.join(base, f"stepstream-engines-{os.getuid()}")
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CoreBoard:
+    """This process's row on the machine's board; raises OSError when the board
+    cannot be opened safely (another user's file, or a shared one)."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or default_board_path()
+        size = NUM_SLOTS * 3 * 8
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise OSError(f"{self.path} is not this user's private file")
+            if info.st_size < size:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+            self._fd = fd
+        except BaseException:
+            os.close(fd)
+            raise
+        self.rows = np.frombuffer(self._map, dtype=np.int64).reshape(NUM_SLOTS, 3)
+        self.slot = self._claim()
+        self._published: int | None = None
+
+    def _claim(self) -> int:
+        pid = os.getpid()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            for slot in range(NUM_SLOTS):
+                owner = int(self.rows[slot, PID])
+                if owner == 0 or owner == pid or not _pid_alive(owner):
+                    self.rows[slot] = (pid, 0, time.monotonic_ns())
+                    return slot
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        raise OSError(f"{self.path}: all {NUM_SLOTS} rows are taken by live processes")
+
+    def publish(self, num_rows: int) -> None:
+        """Say how many rows this engine's batch has (0: idle); a heartbeat either way."""
+        self.rows[self.slot, ROWS] = num_rows
+        self.rows[self.slot, HEARTBEAT] = time.monotonic_ns()
+
+    def others_idle(self) -> bool:
+        """True when no other live row has work (a stale heartbeat counts as idle)."""
+        now = time.monotonic_ns()
+        rows = self.rows
+        busy = (rows[:, PID] != 0) & (rows[:, ROWS] > 0) & (now - rows[:, HEARTBEAT] < STALE_NS)
+        busy[self.slot] = False
+        return not busy.any()
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        self.rows[self.slot] = (0, 0, 0)
+        self.rows = None
+        self._map.close()
+        os.close(self._fd)
+        self._map = None
+
+
+class StepThreads:
+    """The torch thread count of each engine step: `own` threads while any other
+    engine on the machine has work, every usable core while all are idle."""
+
+    def __init__(self, own: int, board: CoreBoard, cores: int | None = None):
+        self.own, self.board = own, board
+        self.cores = cores or usable_cores()
+        self.current = own
+
+    @classmethod
+    def for_engine(cls, own: int | None, enabled: bool, device: str) -> "StepThreads | None":
+        """None when it does not apply: off, not on CPU, no thread count set, or the
+        engine has every core already; also when the board cannot be opened (logged)."""
+        if not enabled or device.split(":")[0] != "cpu" or own is None or own >= usable_cores():
+            return None
+        try:
+            board = CoreBoard()
+        except OSError as error:
+            logger.warning("idle cores are not used: %s", error)
+            return None
+        logger.info("idle cores: %d thread(s), all %d cores while the machine's other "
+                    "engine replicas are idle (board %s)", own, usable_cores(), board.path)
+        return cls(own, board)
+
+    def before_step(self, num_rows: int) -> int:
+        """Publish this step's rows and set the step's thread count; returns it."""
+        import torch
+
+        self.board.publish(num_rows)
+        threads = self.cores if self.board.others_idle() else self.own
+        if threads != self.current:
+            torch.set_num_threads(threads)
+            self.current = threads
+        return threads
+
+    def idle(self) -> None:
+        self.board.publish(0)
+
+    def close(self) -> None:
+        self.board.close()
