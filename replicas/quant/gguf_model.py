@@ -22,7 +22,7 @@ from replicas.gguf.reader import GgufFile, read_gguf
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.model_config import ModelConfig
 from replicas.quant.gguf_blocks import BLOCK_TYPES, repack
-from replicas.quant.layouts import QuantizedWeight, can_concatenate, concatenate
+from replicas.quant.layouts import QuantizedWeight, stack_runs
 from replicas.quant.linear import QuantEmbedding, QuantLinear
 
 logger = logging.getLogger("stepstream")
@@ -70,8 +70,7 @@ class _GgufMatrices:
         """One layer over the rows of `names`: a QuantLinear when every one is a
         native type, else an nn.Linear of their dequantized values."""
         if all(self.is_native(n) for n in names):
-            weights = [self.quantized(n) for n in names]
-            return QuantLinear([concatenate(weights)] if can_concatenate(weights) else weights)
+            return QuantLinear(stack_runs([self.quantized(n) for n in names]))
         weight = torch.cat([self.dense(n) for n in names])
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         layer.weight = nn.Parameter(weight, requires_grad=False)

@@ -107,6 +107,18 @@ def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
         "/".join(dict.fromkeys(w.source for w in weights)))
 
 
+def stack_runs(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Neighbours that can be stacked, stacked: q and k of one type stay one part
+    beside a v of another."""
+    runs: list[list[QuantizedWeight]] = []
+    for weight in weights:
+        if runs and can_concatenate([runs[-1][0], weight]):
+            runs[-1].append(weight)
+        else:
+            runs.append([weight])
+    return [run[0] if len(run) == 1 else concatenate(run) for run in runs]
+
+
 def pack_u4(codes: np.ndarray) -> np.ndarray:
     """(N, K) codes in 0..15 -> (N, K/2) uint8 bytes of the u4 layout."""
     N, K = codes.shape
