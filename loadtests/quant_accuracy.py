@@ -36,6 +36,11 @@ class ModeAccuracy:
     weight_bytes: int
 
 
+def weight_bytes(model) -> int:
+    from replicas.quant.summary import weight_bytes as model_weight_bytes
+    return model_weight_bytes(model)
+
+
 def text_ids(model_dir: str) -> list[int]:
     from deltas.tokenization import Tokenizer
     return Tokenizer.from_dir(model_dir).encode(TEXT_PATH.read_text(encoding="utf-8"))
@@ -53,23 +58,6 @@ def window_logits(model, ids: list[int]) -> torch.Tensor:
     caches = allocate_kv_caches(num_blocks, block_size, model.config, dtype, torch.device("cpu"))
     return model(torch.tensor(ids), positions, caches, meta, TorchAttentionBackend(),
                  torch.arange(T))
-
-
-def weight_bytes(model) -> int:
-    from replicas.quant.linear import QuantEmbedding, QuantLinear
-    seen, total = set(), 0
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            for part in module.parts:
-                if id(part) not in seen:
-                    seen.add(id(part))
-                    total += part.nbytes
-        elif isinstance(module, QuantEmbedding) and id(module.weight_q) not in seen:
-            seen.add(id(module.weight_q))
-            total += module.weight_q.nbytes
-    for param in {id(p): p for p in model.parameters()}.values():
-        total += param.numel() * param.element_size()
-    return total
 
 
 def route_rows(model, path: str) -> None:

@@ -33,6 +33,9 @@ PID, ROWS, HEARTBEAT = 0, 1, 2
 # A row whose heartbeat is older than this counts as idle: its process died with work
 STALE_NS = 5_000_000_000
 BOARD_ENV = "STEPSTREAM_CORE_BOARD"
+# (board path, slot) held by this process's open boards: a second engine in one
+# process (tests, benchmarks) takes a row of its own
+_HELD: set[tuple[str, int]] = set()
 
 
 def default_board_path() -> str:
@@ -86,8 +89,10 @@ class CoreBoard:
         try:
             for slot in range(NUM_SLOTS):
                 owner = int(self.rows[slot, PID])
-                if owner == 0 or owner == pid or not _pid_alive(owner):
+                mine_unheld = owner == pid and (self.path, slot) not in _HELD
+                if owner == 0 or mine_unheld or (owner != pid and not _pid_alive(owner)):
                     self.rows[slot] = (pid, 0, time.monotonic_ns())
+                    _HELD.add((self.path, slot))
                     return slot
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -110,8 +115,12 @@ class CoreBoard:
         if self._map is None:
             return
         self.rows[self.slot] = (0, 0, 0)
+        _HELD.discard((self.path, self.slot))
         self.rows = None
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a view of the rows is still alive: the collector closes it
+            pass
         os.close(self._fd)
         self._map = None
 

@@ -28,6 +28,7 @@ from replicas.models.llama import cuda_layer_ops
 from replicas.models.loader import load_model
 from replicas.models.model_config import ModelConfig
 from replicas.models.packed_linear import pack_linears
+from replicas.quant.summary import weight_bytes, weight_kinds
 from replicas.request import Request
 from replicas.sampling.sampler import build_sampling_batch, sample_no_sync
 from replicas.scheduler import SchedulerOutput
@@ -72,6 +73,9 @@ class ModelRunner:
         self.model = load_model(model_dir, config.dtype, self.device,
                                 max_model_len + config.num_scheduler_steps + 1,
                                 config.quantization)
+        self.weight_kinds = weight_kinds(self.model, config.quantization)
+        self.weight_bytes = weight_bytes(self.model)
+        logger.info("weights: %s, %.0f MB", self.weight_kinds, self.weight_bytes / 1e6)
         if self.device.type == "cpu":
             pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 256))
             # NOTE: built (or read from the cache) here, not in the first request's step

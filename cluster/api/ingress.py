@@ -521,6 +521,10 @@ class Ingress:
         try:
             info = await asyncio.wait_for(self._info(), MODEL_CARD_INFO_WAIT_S)
             card["max_model_len"] = info["max_model_len"]
+            # NOTE: which weights run and their bytes in memory, where the engine says
+            for key in ("quantization", "weights", "weight_bytes"):
+                if key in info:
+                    card[key] = info[key]
         except (ApiError, asyncio.TimeoutError):
             pass  # no engine replica answers now: the card without its context length
         return card

@@ -78,8 +78,12 @@ def warn(message: str) -> None:
 
 
 def model_line(info: dict, num_engines: int, num_ingresses: int, engine_num_gpus: float) -> str:
-    """`Model: tiny (float32 on cpu, attention backend cpu); 1 engine replica, ...`."""
+    """`Model: smollm2-135m (bfloat16 on cpu, weights Q4_1/Q8_0 (native), 97 MB, attention
+    backend cpu, ...); 1 engine replica, ...`."""
     how = [f"{info['dtype']} on {info['device']}"] if info.get("dtype") else []
+    if info.get("weights"):
+        size = f", {info['weight_bytes'] / 1e6:,.0f} MB" if info.get("weight_bytes") else ""
+        how.append(f"weights {info['weights']}{size}")
     if info.get("attention_backend"):
         how.append(f"attention backend {info['attention_backend']}")
     if info.get("num_kv_tokens"):

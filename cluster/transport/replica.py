@@ -253,12 +253,15 @@ class EngineReplica:
         self._engine.abort(request_id)
 
     def model_info(self) -> dict:
-        # NOTE: what the engine resolved (dtype auto, attention backend auto), for the
-        # launcher's console; a test's fake engine has no core.
+        # NOTE: what the engine resolved (dtype auto, quantization auto, attention backend
+        # auto), for the launcher's console and the model card; a test's fake engine has
+        # no core.
         core = getattr(self._engine, "core", None)
         resolved = {} if core is None else {
             "dtype": core.config.dtype, "device": core.config.device,
-            "attention_backend": core.runner.backend.name}
+            "attention_backend": core.runner.backend.name,
+            "quantization": core.config.quantization, "weights": core.runner.weight_kinds,
+            "weight_bytes": core.runner.weight_bytes}
         return {"model": self._model, "model_dir": self._engine.model_dir,
                 "max_model_len": self._engine.max_model_len,
                 "vocab_size": self._engine.vocab_size,

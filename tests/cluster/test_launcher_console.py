@@ -377,5 +377,10 @@ def test_the_model_line_says_dtype_backend_and_replicas():
     assert console.model_line(info, 1, 1, 0) == (
         "Model: tiny (float32 on cpu, attention backend cpu, KV cache 262,144 tokens); "
         "1 engine replica, 1 ingress replica")
+    info = {**info, "model": "smollm2-135m", "weights": "Q4_1/Q8_0 (native)",
+            "weight_bytes": 96_600_000}
+    assert console.model_line(info, 2, 2, 0) == (
+        "Model: smollm2-135m (float32 on cpu, weights Q4_1/Q8_0 (native), 97 MB, attention "
+        "backend cpu, KV cache 262,144 tokens); 2 engine replicas, 2 ingress replicas")
     assert console.model_line({"model": "/m"}, 2, 4, 1) == (
         "Model: /m; 2 engine replicas, 1 GPU each, 4 ingress replicas")

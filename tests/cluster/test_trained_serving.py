@@ -38,6 +38,15 @@ def test_it_is_served_under_the_preset_name(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_its_card_says_the_gguf_file_s_own_types_run_in_their_bytes(client):
+    """quantization auto: the file's Q4_1/Q8_0 matrices run as stored, about the
+    file's 98 MB (not the 538 MB of float32 they would dequantize to)."""
+    card = client.models.retrieve(MODEL).model_dump()
+    assert card["quantization"] == "gguf"
+    assert card["weights"] == "Q4_1/Q8_0 (native)"
+    assert 90e6 < card["weight_bytes"] < 110e6
+
+
 def test_a_factual_question_gets_its_answer(client):
     reply = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0,
                                            max_tokens=32)
