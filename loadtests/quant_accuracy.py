@@ -6,8 +6,8 @@ windows of `--window` tokens, teacher-forced: perplexity over every predicted
 token, and top-1 agreement with `none` (the dequantized float path): how often
 the mode's most likely next token is `none`'s. Every row of every window runs
 through the integer kernel, as a decode step's rows do (the quantized layers'
-GEMM path for large batches multiplies the exact dequantized weights: it
-would agree with `none` but for float rounding); `--path gemm` measures that.
+batch and GEMM paths multiply the exact dequantized weights: they agree with
+`none` but for float rounding); `--path batch|gemm` measures those.
 
     python -m loadtests.quant_accuracy --model smollm2-135m --modes none auto int8 int4
 
@@ -60,12 +60,18 @@ def window_logits(model, ids: list[int]) -> torch.Tensor:
                  torch.arange(T))
 
 
+PATHS = ("kernel", "batch", "gemm")
+
+
 def route_rows(model, path: str) -> None:
-    """Send every row of the quantized layers through `path`: kernel or gemm."""
+    """Send every row of the quantized layers through one path: the integer kernel,
+    the batch kernel, or the dequantized weights' GEMM (replicas/quant/linear.py)."""
     from replicas.quant.linear import QuantLinear
+    everything = 1 << 30
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.kernel_max_rows = 1 << 30 if path == "kernel" else 0
+            module.kernel_max_rows = everything if path == "kernel" else 0
+            module.gemm_max_rows = everything if path == "batch" else 0
 
 
 def measure(model_name: str, modes: list[str], dtype: str = "float32",
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", default=["none", "auto", "int8", "int4"])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    parser.add_argument("--path", default="kernel", choices=("kernel", "gemm"),
+    parser.add_argument("--path", default="kernel", choices=PATHS,
                         help="the quantized layers' path for every row (default: kernel, "
                              "as decode runs)")
     parser.add_argument("--json", type=Path, help="also write the rows here")

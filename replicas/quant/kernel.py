@@ -41,12 +41,15 @@ class WeightDesc(ctypes.Structure):
 
 
 class QuantKernels:
-    """The library's three entry points, with their C signatures."""
+    """The library's entry points, with their C signatures."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.linear = lib.quant_linear
         self.linear.restype = _C
         self.linear.argtypes = [_P, _C, _I, _P, _P, _C, _I, _C]
+        self.gemm = lib.quant_gemm
+        self.gemm.restype = _C
+        self.gemm.argtypes = [_P, _C, _I, _P, _P, _C, _I, _C]
         self.dequantize = lib.quant_dequantize
         self.dequantize.restype = _C
         self.dequantize.argtypes = [_P, _P, _C, _C]
@@ -88,6 +91,19 @@ def quant_matmul_into(x: torch.Tensor, desc: WeightDesc, out: torch.Tensor, colu
         out.shape[1], num_threads)
     if code != 0:
         raise RuntimeError(f"quant_linear failed ({code}) for weights of {desc.out_features}x"
+                           f"{desc.in_features}, group {desc.group}")
+
+
+def quant_gemm_into(x: torch.Tensor, desc: WeightDesc, out: torch.Tensor, column: int,
+                    num_threads: int) -> None:
+    """As quant_matmul_into, with the batch kernel: weights dequantized in registers,
+    float arithmetic (for batches above the integer kernel's rows)."""
+    code = need_kernels().gemm(
+        x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], ctypes.addressof(desc),
+        out.data_ptr() + column * out.element_size(), out.dtype == torch.bfloat16,
+        out.shape[1], num_threads)
+    if code != 0:
+        raise RuntimeError(f"quant_gemm failed ({code}) for weights of {desc.out_features}x"
                            f"{desc.in_features}, group {desc.group}")
 
 

@@ -1,11 +1,14 @@
 """Linear and embedding layers over quantized weights (replicas/quant/layouts.py).
 
-A layer picks its path by the rows it multiplies: up to `kernel_max_rows` rows
-(decode batches) the integer kernel reads the weights as they are stored, which
-is what bounds a decode step; above it (prefill chunks, large batches) the
-weights are dequantized into a reused buffer and go through torch's GEMM, where
-arithmetic bounds the step and the dequantization is a small share of it. The
-crossover is measured (loadtests/bench_quant_linear.py, docs/performance.md).
+A layer picks its path by the rows it multiplies:
+- up to `kernel_max_rows` (small decode batches): the integer kernel reads the
+  weights as they are stored; their bytes are what bounds such a step;
+- up to `gemm_max_rows` (larger decode batches): the batch kernel dequantizes a
+  few weight rows at a time into cache and multiplies them with every activation
+  row in float;
+- above (prefill chunks): the weights are dequantized into a reused buffer for
+  torch's GEMM, whose arithmetic is then most of the cost.
+The bounds are measured (docs/performance.md, "Quantized weights").
 """
 from __future__ import annotations
 
@@ -14,12 +17,15 @@ from torch import nn
 import torch.nn.functional as F
 
 from replicas.quant.kernel import (ACTIVATION_DTYPES, WeightDesc, dequantize_into, gather_rows,
-                                   quant_matmul_into)
+                                   quant_gemm_into, quant_matmul_into)
 from replicas.quant.layouts import QuantizedWeight
 
-# Rows at and below which the integer kernel runs (measured: docs/performance.md,
-# "Quantized weights").
-KERNEL_MAX_ROWS = 16
+# Rows at and below which each path runs, by activation dtype (measured in the engine,
+# where the weights stream from memory: loadtests/quant_crossover.py, docs/performance.md
+# "Quantized weights"). bfloat16's float GEMMs are faster, so its integer kernel
+# gives way sooner.
+KERNEL_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}
+GEMM_MAX_ROWS = 32
 
 
 class _DequantBuffer:
@@ -54,7 +60,9 @@ class QuantLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.register_buffer("bias", bias, persistent=False)
-        self.kernel_max_rows = KERNEL_MAX_ROWS
+        # None: KERNEL_MAX_ROWS of the activations' dtype
+        self.kernel_max_rows: int | None = None
+        self.gemm_max_rows = GEMM_MAX_ROWS
         # None: torch's thread count at each call (replicas/quant/threads.py may set it)
         self.num_threads: int | None = None
 
@@ -73,10 +81,16 @@ class QuantLinear(nn.Module):
         shape = x.shape
         if x.dim() != 2 or not x.is_contiguous():
             x = x.reshape(-1, self.in_features).contiguous()
-        if x.shape[0] <= self.kernel_max_rows:
-            y = self._kernel_forward(x)
+        rows = x.shape[0]
+        kernel_max_rows = self.kernel_max_rows
+        if kernel_max_rows is None:
+            kernel_max_rows = KERNEL_MAX_ROWS[x.dtype]
+        if rows <= kernel_max_rows:
+            y = self._kernel_forward(x, quant_matmul_into)
+        elif rows <= self.gemm_max_rows:
+            y = self._kernel_forward(x, quant_gemm_into)
         else:
-            y = self._gemm_forward(x)
+            y = F.linear(x, self.dequantized(x.dtype))
         if self.bias is not None:
             y += self.bias
         return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
@@ -84,17 +98,13 @@ class QuantLinear(nn.Module):
     def _threads(self) -> int:
         return self.num_threads or torch.get_num_threads()
 
-    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel_forward(self, x: torch.Tensor, kernel) -> torch.Tensor:
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
         column, threads = 0, self._threads()
         for desc in self._descs:
-            quant_matmul_into(x, desc, out, column, threads)
+            kernel(x, desc, out, column, threads)
             column += desc.out_features
         return out
-
-    def _gemm_forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.dequantized(x.dtype)
-        return F.linear(x, weight)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """(N, K) weight in `dtype`, in the shared buffer (valid until the next layer's)."""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from replicas.quant import kernel as quant_kernel
 from replicas.quant.float_quantize import quantize_weight
 from replicas.quant.gguf_blocks import BLOCK_TYPES, repack
-from replicas.quant.linear import QuantEmbedding, QuantLinear
+from replicas.quant.linear import KERNEL_MAX_ROWS, QuantEmbedding, QuantLinear
 from tests.native_kernel_support import why_not_built
 from tests.replicas.test_quant_gguf_blocks import raw_tensor
 
@@ -62,17 +62,20 @@ def _weights():
 WEIGHTS = dict(_weights())
 
 
-def run(kernels, x: torch.Tensor, weight, out_dtype=None) -> torch.Tensor:
-    out = torch.empty((x.shape[0], weight.out_features), dtype=out_dtype or x.dtype)
+def run(kernels, x: torch.Tensor, weight, entry: str = "linear") -> torch.Tensor:
+    out = torch.empty((x.shape[0], weight.out_features), dtype=x.dtype)
     desc = quant_kernel.WeightDesc.of(weight)
-    code = kernels.linear(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0],
-                          ctypes.addressof(desc), out.data_ptr(), out.dtype == torch.bfloat16,
-                          out.shape[1], 2)
+    code = getattr(kernels, entry)(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0],
+                                   ctypes.addressof(desc), out.data_ptr(),
+                                   out.dtype == torch.bfloat16, out.shape[1], 2)
     assert code == 0
     return out
 
 
 def check_against_emulation(kernels):
+    """The integer kernel against its emulation; the batch kernel against the float
+    product with the dequantized weights (float32 activations: exact but for order,
+    bfloat16: with the weights rounded to bfloat16 as the kernel rounds them)."""
     for name, weight in WEIGHTS.items():
         for M in BATCH_ROWS:
             x = torch.randn(M, weight.in_features)
@@ -80,6 +83,11 @@ def check_against_emulation(kernels):
             got = run(kernels, x, weight).double()
             scale = expected.abs().max()
             assert (got - expected).abs().max() <= 1e-4 * scale, (name, M)
+            for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+                xd = x.to(dtype)
+                expected = xd.float() @ weight.dequantize().to(dtype).float().T
+                got = run(kernels, xd, weight, "gemm").float()
+                assert (got - expected).norm() / expected.norm() < tolerance, (name, M, dtype)
 
 
 def test_the_native_build_computes_the_integer_arithmetic():
@@ -128,11 +136,21 @@ def test_a_layer_matches_the_float_product_within_the_activations_rounding(dtype
         assert (y.float() - expected).norm() / expected.norm() < 2e-2, M
 
 
-def test_above_the_row_bound_a_layer_multiplies_the_exact_weights():
-    weight = WEIGHTS["Q6_K-64x256"]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["Q6_K-64x256", "Q4_1-64x256", "Q8_0-37x96"])
+def test_above_the_kernel_s_rows_a_layer_multiplies_the_exact_weights(name, dtype):
+    """The batch kernel and the GEMM path: the dequantized weights (rounded to
+    bfloat16 for bfloat16 activations, as a bfloat16 model's are), float sums."""
+    weight = WEIGHTS[name]
     layer = QuantLinear([weight])
-    x = torch.randn(layer.kernel_max_rows + 1, 256)
-    torch.testing.assert_close(layer(x), F.linear(x, weight.dequantize()))
+    reference = weight.dequantize().to(dtype).float()
+    for rows in (KERNEL_MAX_ROWS[dtype] + 1, layer.gemm_max_rows, layer.gemm_max_rows + 1):
+        x = torch.randn(rows, weight.in_features).to(dtype)
+        y = layer(x)
+        assert y.dtype == dtype
+        expected = x.float() @ reference.T
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the output's own rounding
+        assert (y.float() - expected).norm() / expected.norm() < tolerance, rows
 
 
 def test_parts_of_different_types_fill_their_own_columns_and_the_bias_is_added():

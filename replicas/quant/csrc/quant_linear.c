@@ -426,59 +426,176 @@ static RowsTask pick_rows_task(const QuantWeight *w) {
     return w->scales_half ? rows_s8_f16 : rows_s8_f32;
 }
 
-/* One weight row as floats (or bfloat16, rounded to nearest even): scale * code,
- * plus min where given. Fixed-size inner loops, so the compiler vectorises them. */
+/* One block's 32 weights as floats: scale * code, plus min where given. */
+static inline __attribute__((always_inline)) void block_values(const QuantWeight *qw, int64_t row,
+                                                               int64_t b, float *v) {
+    const int64_t K = qw->in_features, per_block = QBLOCK / qw->group;
+    const uint8_t *w = qw->codes + row * (qw->codes_u4 ? K / 2 : K);
+    int8_t codes[QBLOCK];
+    if (qw->codes_u4) {
+#if defined(__AVX2__)
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + b * 16));
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        _mm_storeu_si128((__m128i *)codes, _mm_and_si128(bytes, low4));
+        _mm_storeu_si128((__m128i *)(codes + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+#else
+        for (int j = 0; j < 16; j++) {
+            codes[j] = (int8_t)(w[b * 16 + j] & 0x0f);
+            codes[j + 16] = (int8_t)(w[b * 16 + j] >> 4);
+        }
+#endif
+    } else {
+        memcpy(codes, w + b * QBLOCK, QBLOCK);
+    }
+    /* NOTE: groups of 16 take the block's two halves; of 32, one scale for both */
+    const int64_t g = row * (K / qw->group) + b * per_block;
+    const float s0 = load_scale(qw->scales, g, qw->scales_half);
+    const float s1 = per_block == 2 ? load_scale(qw->scales, g + 1, qw->scales_half) : s0;
+    const float m0 = qw->mins ? load_scale(qw->mins, g, qw->scales_half) : 0.0f;
+    const float m1 = qw->mins && per_block == 2 ? load_scale(qw->mins, g + 1, qw->scales_half) : m0;
+#if defined(__AVX2__)
+    for (int j = 0; j < QBLOCK; j += 8) {
+        const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + j))));
+        _mm256_storeu_ps(v + j, j < 16 ? _mm256_fmadd_ps(_mm256_set1_ps(s0), c, _mm256_set1_ps(m0))
+                                       : _mm256_fmadd_ps(_mm256_set1_ps(s1), c, _mm256_set1_ps(m1)));
+    }
+#else
+    for (int j = 0; j < 16; j++) v[j] = s0 * (float)codes[j] + m0;
+    for (int j = 16; j < QBLOCK; j++) v[j] = s1 * (float)codes[j] + m1;
+#endif
+}
+
+/* One block's 32 codes as two vectors of 16 int32 (values 0..15 and 16..31). */
+#if defined(WIDE512)
+static inline __attribute__((always_inline)) void block_codes16(const QuantWeight *qw,
+                                                                const uint8_t *w, int64_t b,
+                                                                __m512i *lo, __m512i *hi) {
+    if (qw->codes_u4) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + b * 16));
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        *lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4));
+        *hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+    } else {
+        *lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + b * 32)));
+        *hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + b * 32 + 16)));
+    }
+}
+#endif
+
+/* One weight row as floats (or bfloat16, rounded to nearest even). */
 static void dequant_row(const QuantWeight *qw, int64_t row, void *out, int out_bf16) {
-    const int64_t K = qw->in_features, nblk = K / QBLOCK, per_block = QBLOCK / qw->group;
-    const int64_t ngroups = K / qw->group;
+    const int64_t K = qw->in_features, nblk = K / QBLOCK;
+#if defined(WIDE512)
+    /* NOTE: 16 values a vector, no trip through memory: this runs once per weight
+     * per batch step (quant_gemm), so its cost is the batch path's overhead */
+    const int64_t per_block = QBLOCK / qw->group, ngroups = K / qw->group;
     const uint8_t *w = qw->codes + row * (qw->codes_u4 ? K / 2 : K);
     for (int64_t b = 0; b < nblk; b++) {
-        int8_t codes[QBLOCK];
-        if (qw->codes_u4) {
-#if defined(__AVX2__)
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + b * 16));
-            const __m128i low4 = _mm_set1_epi8(0x0f);
-            _mm_storeu_si128((__m128i *)codes, _mm_and_si128(bytes, low4));
-            _mm_storeu_si128((__m128i *)(codes + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-#else
-            for (int j = 0; j < 16; j++) {
-                codes[j] = (int8_t)(w[b * 16 + j] & 0x0f);
-                codes[j + 16] = (int8_t)(w[b * 16 + j] >> 4);
-            }
-#endif
-        } else {
-            memcpy(codes, w + b * QBLOCK, QBLOCK);
-        }
-        /* NOTE: groups of 16 take the block's two halves; of 32, one scale for both */
+        __m512i lo, hi;
+        block_codes16(qw, w, b, &lo, &hi);
         const int64_t g = row * ngroups + b * per_block;
         const float s0 = load_scale(qw->scales, g, qw->scales_half);
         const float s1 = per_block == 2 ? load_scale(qw->scales, g + 1, qw->scales_half) : s0;
         const float m0 = qw->mins ? load_scale(qw->mins, g, qw->scales_half) : 0.0f;
         const float m1 = qw->mins && per_block == 2 ? load_scale(qw->mins, g + 1, qw->scales_half) : m0;
-#if defined(__AVX2__)
-        for (int j = 0; j < QBLOCK; j += 8) {
-            const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + j))));
-            const __m256 v = j < 16 ? _mm256_fmadd_ps(_mm256_set1_ps(s0), c, _mm256_set1_ps(m0))
-                                    : _mm256_fmadd_ps(_mm256_set1_ps(s1), c, _mm256_set1_ps(m1));
-            if (out_bf16) {
-                _mm_storeu_si128((__m128i *)((uint16_t *)out + b * QBLOCK + j), narrow8(v));
-            } else {
-                _mm256_storeu_ps((float *)out + b * QBLOCK + j, v);
-            }
-        }
+        const __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(s0), _mm512_set1_ps(m0));
+        const __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(s1), _mm512_set1_ps(m1));
+        if (out_bf16) {
+#if defined(__AVX512BF16__)
+            _mm512_storeu_si512((uint16_t *)out + b * QBLOCK, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
 #else
+            _mm_storeu_si128((__m128i *)((uint16_t *)out + b * QBLOCK), narrow8(_mm512_castps512_ps256(v0)));
+            _mm_storeu_si128((__m128i *)((uint16_t *)out + b * QBLOCK + 8), narrow8(_mm512_extractf32x8_ps(v0, 1)));
+            _mm_storeu_si128((__m128i *)((uint16_t *)out + b * QBLOCK + 16), narrow8(_mm512_castps512_ps256(v1)));
+            _mm_storeu_si128((__m128i *)((uint16_t *)out + b * QBLOCK + 24), narrow8(_mm512_extractf32x8_ps(v1, 1)));
+#endif
+        } else {
+            _mm512_storeu_ps((float *)out + b * QBLOCK, v0);
+            _mm512_storeu_ps((float *)out + b * QBLOCK + 16, v1);
+        }
+    }
+#else
+    for (int64_t b = 0; b < nblk; b++) {
         float v[QBLOCK];
-        for (int j = 0; j < 16; j++) v[j] = s0 * (float)codes[j] + m0;
-        for (int j = 16; j < QBLOCK; j++) v[j] = s1 * (float)codes[j] + m1;
+        block_values(qw, row, b, v);
         if (out_bf16) {
             uint16_t *o = (uint16_t *)out + b * QBLOCK;
+#if defined(__AVX2__)
+            for (int j = 0; j < QBLOCK; j += 8)
+                _mm_storeu_si128((__m128i *)(o + j), narrow8(_mm256_loadu_ps(v + j)));
+#else
             for (int j = 0; j < QBLOCK; j++) o[j] = f32_to_bf16(v[j]);
+#endif
         } else {
             memcpy((float *)out + b * QBLOCK, v, sizeof v);
         }
-#endif
     }
+#endif
 }
+
+/* ---- batches: weight tiles dequantized into L1, float arithmetic ----------- */
+
+/* a tile: GEMM_NR weight rows x up to GEMM_MR activation rows, as many accumulators
+ * as the registers hold (32 zmm: 4 x 6; 16 ymm: 4 x 4, measured faster than 4 x 2) */
+#define GEMM_NR 4
+#define GEMM_MR 6
+#define GEMM_MR_BF16 6
+#define GEMM_MR_F32 4
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define GEMM_BF16_DOT 1
+/* bfloat16 activations against a tile of weights already rounded to bfloat16 (as a
+ * bfloat16 model's are): 32 products a vdpbf16ps, float32 sums. wt: nr rows of K. */
+static inline __attribute__((always_inline)) void gemm_tile_bf16(
+        const uint16_t *wt, const uint16_t *x, int64_t K, const int nr, int64_t m0,
+        const int mr, float *res) {
+    __m512 acc[GEMM_NR][GEMM_MR];
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mr; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += QBLOCK) {
+        __m512bh wv[GEMM_NR];
+        for (int r = 0; r < nr; r++) wv[r] = (__m512bh)_mm512_loadu_si512((const void *)(wt + r * K + k));
+        for (int m = 0; m < mr; m++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
+            for (int r = 0; r < nr; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mr; m++) res[r * GEMM_MR + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#endif
+
+/* float32 activations (bfloat16 ones widened first where there is no vdpbf16ps)
+ * against a tile of float32 weights. */
+static inline __attribute__((always_inline)) void gemm_tile_f32(
+        const float *wt, const float *x, int64_t K, const int nr, int64_t m0, const int mr,
+        float *res) {
+#if defined(__AVX2__)
+    __m256 acc[GEMM_NR][GEMM_MR];
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mr; m++) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 wv[GEMM_NR];
+        for (int r = 0; r < nr; r++) wv[r] = _mm256_loadu_ps(wt + r * K + k);
+        for (int m = 0; m < mr; m++) {
+            const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * K + k);
+            for (int r = 0; r < nr; r++) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mr; m++) res[r * GEMM_MR + m] = hsum(acc[r][m]);
+#else
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mr; m++) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < K; k++) sum += wt[r * K + k] * x[(m0 + m) * K + k];
+            res[r * GEMM_MR + m] = sum;
+        }
+#endif
+}
+
+static __thread float *widened = NULL;
+static __thread size_t widened_floats = 0;
 
 /* ---- entry points ------------------------------------------------------ */
 
@@ -511,6 +628,76 @@ int quant_linear(const void *x, int x_bf16, int64_t M, const QuantWeight *w, voi
             task(w, &a, M, n0, n1, out, out_bf16, out_stride);
         }
     }
+    return 0;
+}
+
+/* out (M, N) = x (M, K) @ W.T like quant_linear, for batches: GEMM_NR weight rows
+ * at a time are dequantized into a small buffer that stays in cache and multiplied
+ * with every activation row in float (bfloat16 dot products where the CPU has
+ * them), so no dequantized copy of the whole matrix is ever written. Returns 0, -1 for a weight
+ * the layouts cannot hold, -2 when scratch memory cannot be had. */
+int quant_gemm(const void *x, int x_bf16, int64_t M, const QuantWeight *w, void *out,
+               int out_bf16, int64_t out_stride, int num_threads) {
+    if (!weight_ok(w) || M < 0) return -1;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t N = w->out_features, K = w->in_features;
+    const float *xf = (const float *)x;
+    int use_bf16_dot = 0;
+#if defined(GEMM_BF16_DOT)
+    use_bf16_dot = x_bf16;
+#endif
+    if (x_bf16 && !use_bf16_dot) {
+        const size_t need = (size_t)(M * K);
+        if (need > widened_floats) {
+            free(widened);
+            widened = (float *)malloc(need * sizeof(float));
+            widened_floats = widened ? need : 0;
+            if (!widened) return -2;
+        }
+        for (size_t i = 0; i < need; i++) widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        xf = widened;
+    }
+    const size_t tile_bytes = (size_t)GEMM_NR * K * (use_bf16_dot ? 2 : 4);
+    const int mstep = use_bf16_dot ? GEMM_MR_BF16 : GEMM_MR_F32;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        /* NOTE: one weight tile at a time, dequantized once into this buffer (L1/L2)
+         * and dotted with every activation row from there */
+        void *tile = malloc(tile_bytes);
+        if (!tile) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += GEMM_NR) {
+            if (!tile) continue;
+            const int nr = (int)(N - n0 < GEMM_NR ? N - n0 : GEMM_NR);
+            for (int r = 0; r < nr; r++)
+                dequant_row(w, n0 + r, (char *)tile + (size_t)r * K * (use_bf16_dot ? 2 : 4),
+                            use_bf16_dot);
+            float res[GEMM_NR * GEMM_MR];
+            for (int64_t m0 = 0; m0 < M; m0 += mstep) {
+                const int mr = (int)(M - m0 < mstep ? M - m0 : mstep);
+                /* NOTE: full tiles with constant sizes, so their loops unroll into registers */
+                const int full = nr == GEMM_NR && mr == mstep;
+#if defined(GEMM_BF16_DOT)
+                if (use_bf16_dot && full)
+                    gemm_tile_bf16((const uint16_t *)tile, (const uint16_t *)x, K, GEMM_NR, m0, GEMM_MR_BF16, res);
+                else if (use_bf16_dot)
+                    gemm_tile_bf16((const uint16_t *)tile, (const uint16_t *)x, K, nr, m0, mr, res);
+                else
+#endif
+                if (full) gemm_tile_f32((const float *)tile, xf, K, GEMM_NR, m0, GEMM_MR_F32, res);
+                else gemm_tile_f32((const float *)tile, xf, K, nr, m0, mr, res);
+                for (int r = 0; r < nr; r++)
+                    for (int m = 0; m < mr; m++)
+                        store(out, out_bf16, (m0 + m) * out_stride + n0 + r, res[r * GEMM_MR + m]);
+            }
+        }
+        free(tile);
+    }
+    if (failed) return -2;
     return 0;
 }
 
