@@ -69,15 +69,20 @@ def _first_disagreement(prompt: list[int], answer: list[int]):
     return None
 
 
+# NOTE: quantization none, the dequantized float path: the exact oracle. The file's
+# own types (auto, the default) run the integer kernels; the last config holds them
+# to the same answers.
+_NONE = dict(quantization="none")
 CONFIGS = {
-    "N=1": dict(num_scheduler_steps=1, enable_prefix_caching=False),
-    "N=8": dict(num_scheduler_steps=8, enable_prefix_caching=False),
+    "N=1": dict(num_scheduler_steps=1, enable_prefix_caching=False, **_NONE),
+    "N=8": dict(num_scheduler_steps=8, enable_prefix_caching=False, **_NONE),
     # NOTE: 24 tokens a step: every chat prompt (their shared system prompt
     # included) is prefilled in chunks, and the second pass meets its cached blocks
     "N=8, prefix caching, chunked prefill": dict(num_scheduler_steps=8, enable_prefix_caching=True,
-                                                 max_num_batched_tokens=24),
+                                                 max_num_batched_tokens=24, **_NONE),
     "N=1, prefix caching, chunked prefill": dict(num_scheduler_steps=1, enable_prefix_caching=True,
-                                                 max_num_batched_tokens=24),
+                                                 max_num_batched_tokens=24, **_NONE),
+    "N=8, the file's own quantized types": dict(num_scheduler_steps=8, quantization="auto"),
 }
 
 
@@ -103,7 +108,8 @@ def test_greedy_tokens_equal_transformers_on_trained_weights(name):
 def test_the_oracle_catches_one_wrong_token():
     """The check above has teeth: an answer with one token changed disagrees there."""
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    with Engine(EngineConfig(model=trained_model.PRESET, dtype="float32")) as engine:
+    with Engine(EngineConfig(model=trained_model.PRESET, dtype="float32",
+                             quantization="none")) as engine:
         answer = engine.generate(_prompts()[:1], params)[0].token_ids
     assert _first_disagreement(_prompts()[0], answer) is None
     wrong = list(answer)
