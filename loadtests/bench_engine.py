@@ -33,6 +33,12 @@ ignore_eos, 128-token prompts unless said):
 - `--structured`: 200 streams, every fourth held to a JSON schema, beside the same
   requests with no constrained neighbours, and the grammar engine's cost per token
   (loadtests/structured_outputs.py).
+- `--accuracy`: each `--quantizations` mode's perplexity on a shipped text and its
+  top-1 agreement with `none` (`--dtype`; loadtests/quant_accuracy.py);
+- `--paths`: decode tok/s at each `--concurrency` with every quantized layer on each
+  of its paths, `none` beside (`--num-threads`, default 1; loadtests/quant_crossover.py);
+- `--limits`: this machine's read bandwidth and an `--input-len` prompt's GEMM time
+  on every core (loadtests/machine_limits.py).
 Configurations of a table are interleaved round by round (`--repeats`), medians.
 """
 from __future__ import annotations
@@ -49,7 +55,7 @@ from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_
 from loadtests.metrics import format_table, median_rows, ratio
 
 MODES = ("matrix", "ceiling", "process", "prefix", "wire", "structured", "roofline", "sampling",
-         "attention", "contention")
+         "attention", "contention", "accuracy", "paths", "limits")
 # per mode: models, concurrency, output_len, repeats
 DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "matrix": (["tiny", "small"], [64, 256], 256, 1),
@@ -59,7 +65,10 @@ DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "roofline": (["smollm2-135m"], [64, 256], 64, 1),
             "sampling": (["smollm2-135m"], [64, 256], 64, 1),
             "attention": ([], [64, 256], 0, 5),
-            "contention": (["smollm2-135m", "tiny"], [128], 0, 3)}
+            "contention": (["smollm2-135m", "tiny"], [128], 0, 3),
+            "accuracy": (["smollm2-135m"], [], 0, 1),
+            "paths": (["smollm2-135m"], [1, 4, 8, 16, 32, 64], 0, 1),
+            "limits": (["smollm2-135m"], [], 0, 1)}
 TOK_S = ("output_throughput", "tok/s", ".0f")
 TTFT = ("median_ttft_ms", "TTFT p50 ms", ".1f")
 TPOT = [("median_tpot_ms", "TPOT p50 ms", ".2f"), ("p99_tpot_ms", "p99", ".2f")]
@@ -275,6 +284,12 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--samples", type=int, default=30, help="--wire: timed samples per format")
     ap.add_argument("--constrained-every", type=int, default=4,
                     help="--structured: every this many streams carries a JSON schema")
+    ap.add_argument("--quantizations", nargs="+", default=["none", "auto", "int8", "int4"],
+                    help="--accuracy: the modes, each against none")
+    ap.add_argument("--dtype", default=None,
+                    help="--accuracy (default float32), --paths and --limits (default auto)")
+    ap.add_argument("--path", default="kernel", choices=("kernel", "batch", "gemm"),
+                    help="--accuracy: the quantized layers' path for every row")
     return ap
 
 
@@ -308,6 +323,16 @@ def main(argv: list[str] | None = None) -> dict:
     elif mode == "contention":
         from loadtests.core_contention import report
         result = report(args.models, args.concurrency, args.repeats)
+    elif mode == "accuracy":
+        from loadtests.quant_accuracy import report
+        result = report(args.models, args.quantizations, args.dtype or "float32", path=args.path)
+    elif mode == "paths":
+        from loadtests.quant_crossover import report
+        result = report(args.models[0], args.concurrency,
+                        args.num_threads[0] if args.num_threads else 1, args.dtype or "auto")
+    elif mode == "limits":
+        from loadtests.machine_limits import report
+        result = report(args.models[0], args.input_len, args.dtype or "auto")
     elif mode == "wire":
         from loadtests.wire_cost import report
         result = report(args.num_deltas, args.tokens, args.samples)

@@ -8,11 +8,10 @@
   the one row sampled), by torch.mm in the engine's dtype on every core: the least
   time its TTFT can take with these kernels.
 
-    python -m loadtests.machine_limits --model smollm2-135m --prompt-len 128
+    python -m loadtests.bench_engine --limits --model smollm2-135m --input-len 128
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -38,21 +37,15 @@ def prompt_gemm_ms(model: str, prompt_len: int, dtype: str) -> float:
     return total * 1e3
 
 
-def main(argv: list[str] | None = None) -> None:
+def report(model: str, prompt_len: int, dtype: str = "auto") -> dict:
+    """Print and return the read bandwidth and the prompt's GEMM time, on every core."""
     from replicas.checkpoints.dtype_choice import resolve_dtype
     from replicas.checkpoints.presets import ensure_model_dir
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--dtype", default="auto", help="auto: what the engine resolves")
-    args = parser.parse_args(argv)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    dtype = resolve_dtype(args.dtype, "cpu", ensure_model_dir(args.model))[0]
-    print(json.dumps({"read_bandwidth_gbs": round(read_bandwidth_gbs(), 2),
-                      "prompt_gemm_ms": round(prompt_gemm_ms(args.model, args.prompt_len, dtype), 2),
-                      "dtype": dtype, "threads": torch.get_num_threads()}))
-
-
-if __name__ == "__main__":
-    main()
+    dtype = resolve_dtype(dtype, "cpu", ensure_model_dir(model))[0]
+    result = {"read_bandwidth_gbs": round(read_bandwidth_gbs(), 2),
+              "prompt_gemm_ms": round(prompt_gemm_ms(model, prompt_len, dtype), 2),
+              "dtype": dtype, "threads": torch.get_num_threads()}
+    print(json.dumps(result), flush=True)
+    return result

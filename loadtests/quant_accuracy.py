@@ -9,14 +9,12 @@ through the integer kernel, as a decode step's rows do (the quantized layers'
 batch and GEMM paths multiply the exact dequantized weights: they agree with
 `none` but for float rounding); `--path batch|gemm` measures those.
 
-    python -m loadtests.quant_accuracy --model smollm2-135m --modes none auto int8 int4
+    python -m loadtests.bench_engine --accuracy --quantizations none auto int8 int4
 
-Prints one row per mode; `--json` writes them too.
+Prints one row per mode.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,11 +32,6 @@ class ModeAccuracy:
     perplexity: float
     top1_agreement: float | None  # with `none`'s argmax; None for none itself
     weight_bytes: int
-
-
-def weight_bytes(model) -> int:
-    from replicas.quant.summary import weight_bytes as model_weight_bytes
-    return model_weight_bytes(model)
 
 
 def text_ids(model_dir: str) -> list[int]:
@@ -81,6 +74,7 @@ def measure(model_name: str, modes: list[str], dtype: str = "float32",
     from replicas.checkpoints.presets import ensure_model_dir
     from replicas.models.loader import load_model
     from replicas.quant.choice import resolve_quantization
+    from replicas.quant.summary import weight_bytes
 
     model_dir = ensure_model_dir(model_name)
     ids = text_ids(model_dir)[:max_tokens]
@@ -109,29 +103,19 @@ def measure(model_name: str, modes: list[str], dtype: str = "float32",
     return [r for r in results if r.mode in modes] if "none" in modes else results[1:]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--modes", nargs="+", default=["none", "auto", "int8", "int4"])
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    parser.add_argument("--path", default="kernel", choices=PATHS,
-                        help="the quantized layers' path for every row (default: kernel, "
-                             "as decode runs)")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args(argv)
-    rows = measure(args.model, args.modes, args.dtype, args.window, path=args.path)
-    base = next((r for r in rows if r.mode == "none"), None)
-    print(f"{'mode':<6} {'tokens':>6} {'perplexity':>10} {'vs none':>8} {'top-1 agree':>11} "
-          f"{'weights MB':>10}")
-    for r in rows:
-        ratio = f"{r.perplexity / base.perplexity - 1:+.2%}" if base and r is not base else ""
-        agree = f"{r.top1_agreement:.2%}" if r.top1_agreement is not None else ""
-        print(f"{r.mode:<6} {r.num_tokens:>6} {r.perplexity:>10.3f} {ratio:>8} {agree:>11} "
-              f"{r.weight_bytes / 1e6:>10.1f}")
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+def report(models: list[str], modes: list[str], dtype: str = "float32",
+           window: int = DEFAULT_WINDOW, path: str = "kernel") -> dict:
+    """Print one table per model (a row per mode) and return the rows."""
+    result = {}
+    for model in models:
+        rows = measure(model, modes, dtype, window, path=path)
+        base = next((r for r in rows if r.mode == "none"), None)
+        print(f"\n{model}, {dtype}, {path} path\n{'mode':<6} {'tokens':>6} {'perplexity':>10} "
+              f"{'vs none':>8} {'top-1 agree':>11} {'weights MB':>10}")
+        for r in rows:
+            ratio = f"{r.perplexity / base.perplexity - 1:+.2%}" if base and r is not base else ""
+            agree = f"{r.top1_agreement:.2%}" if r.top1_agreement is not None else ""
+            print(f"{r.mode:<6} {r.num_tokens:>6} {r.perplexity:>10.3f} {ratio:>8} {agree:>11} "
+                  f"{r.weight_bytes / 1e6:>10.1f}", flush=True)
+        result[model] = [asdict(r) for r in rows]
+    return result

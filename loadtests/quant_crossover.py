@@ -7,14 +7,13 @@ with every quantized layer on one path (loadtests/quant_accuracy.py's
 `route_rows`: the integer kernel, the batch kernel, the dequantized GEMM), all
 paths side by side in one run; `--quantization none` beside them.
 
-    python -m loadtests.quant_crossover --model smollm2-135m --batches 1 4 8 16 32 48 64
+    python -m loadtests.bench_engine --paths --concurrency 1 4 8 16 32 64
 
 Prints decode tok/s per batch size and path; the fastest path per row is what
 replicas/quant/linear.py's KERNEL_MAX_ROWS and GEMM_MAX_ROWS should pick.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -37,30 +36,24 @@ def decode_tok_s(engine, batch: int) -> float:
     return batch * NEW_TOKENS / (time.perf_counter() - start)
 
 
-def main(argv: list[str] | None = None) -> None:
+def report(model: str, batches: list[int], threads: int = 1, dtype: str = "auto") -> dict:
+    """Print decode tok/s per batch size and path, `none` beside; return the rows."""
     from replicas import Engine, EngineConfig
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32, 48, 64])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtype", default="auto")
-    args = parser.parse_args(argv)
-    common = dict(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                  use_idle_cores=False, enable_prefix_caching=False)
+    common = dict(model=model, dtype=dtype, num_threads=threads, use_idle_cores=False,
+                  enable_prefix_caching=False)
+    rows = {}
     with Engine(EngineConfig(**common, quantization="auto")) as quantized, \
             Engine(EngineConfig(**common, quantization="none")) as floats:
-        print(f"{'batch':>5} " + " ".join(f"{p:>8}" for p in PATHS) + f" {'none':>8}  tok/s "
-              f"({quantized.core.config.dtype}, {args.threads} thread(s))")
-        for batch in args.batches:
-            row = []
+        print(f"\n{'batch':>5} " + " ".join(f"{p:>8}" for p in PATHS) + f" {'none':>8}  tok/s "
+              f"({quantized.core.config.dtype}, {threads} thread(s))")
+        for batch in batches:
+            row = {}
             for path in PATHS:
                 route_rows(quantized.core.runner.model, path)
-                row.append(decode_tok_s(quantized, batch))
-            row.append(decode_tok_s(floats, batch))
-            print(f"{batch:>5} " + " ".join(f"{v:>8.1f}" for v in row), flush=True)
+                row[path] = decode_tok_s(quantized, batch)
+            row["none"] = decode_tok_s(floats, batch)
+            print(f"{batch:>5} " + " ".join(f"{v:>8.1f}" for v in row.values()), flush=True)
+            rows[batch] = row
     torch.set_num_threads(1)
-
-
-if __name__ == "__main__":
-    main()
+    return rows

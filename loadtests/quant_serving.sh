@@ -3,7 +3,7 @@
 # row of flags, a lone stream (8 requests one after another, 128-token prompts, 128
 # tokens out, greedy, ignore_eos) and 64 streams (128 requests, 64 at a time), and
 # the engine replicas' resident memory after them. First this machine's read
-# bandwidth and a 128-token prompt's GEMM time (loadtests/machine_limits.py).
+# bandwidth and a 128-token prompt's GEMM time (bench_engine --limits).
 #   bash loadtests/quant_serving.sh [MODEL]      (default: smollm2-135m)
 #   ROWS="auto|none" bash loadtests/quant_serving.sh   (rows: flags after --quantization)
 # Writes results/quant_serving/*.txt; prints one line per row.
@@ -16,7 +16,8 @@ mkdir -p "$out"
 port=8125
 grep -o -E 'avx512[a-z_0-9]*|avx2|fma|f16c|amx[a-z_]*|avx_vnni' /proc/cpuinfo | sort -u | tr '\n' ' ' \
   | sed 's/^/CPU flags: /'; echo
-.venv/bin/python -m loadtests.machine_limits --model "$model" | tee "$out/limits.json"
+.venv/bin/python -m loadtests.bench_engine --limits --model "$model" --input-len 128 \
+    --result-dir "$out" | grep '^{' 
 for row in "${rows[@]}"; do
   name=$(echo "$row" | tr ' ' '_' | tr -d '-')
   log="$out/$name-serve.txt"

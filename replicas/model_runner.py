@@ -72,7 +72,7 @@ class ModelRunner:
         # rope tables cover the longest window that may run past max_model_len
         self.model = load_model(model_dir, config.dtype, self.device,
                                 max_model_len + config.num_scheduler_steps + 1,
-                                config.quantization)
+                                quantization=config.quantization)
         self.weight_kinds = weight_kinds(self.model, config.quantization)
         self.weight_bytes = weight_bytes(self.model)
         logger.info("weights: %s, %.0f MB", self.weight_kinds, self.weight_bytes / 1e6)

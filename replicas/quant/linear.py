@@ -21,7 +21,8 @@ from replicas.quant.kernel import (ACTIVATION_DTYPES, WeightDesc, dequantize_int
 from replicas.quant.layouts import QuantizedWeight
 
 # Rows at and below which each path runs, by activation dtype (measured in the engine,
-# where the weights stream from memory: loadtests/quant_crossover.py, docs/performance.md
+# where the weights stream from memory: `python -m loadtests.bench_engine --paths`,
+# docs/performance.md
 # "Quantized weights"). bfloat16's float GEMMs are faster, so its integer kernel
 # gives way sooner.
 KERNEL_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}

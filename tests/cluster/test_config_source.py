@@ -12,7 +12,7 @@ from replicas.config import EngineConfig
 
 # Non-default values the generic rule below cannot make up (strings).
 _STRINGS = {"model": "small", "dtype": "bfloat16", "device": "cuda",
-            "attention_backend": "torch"}
+            "attention_backend": "torch", "quantization": "int8"}
 
 
 def _other_value(f: dataclasses.Field):

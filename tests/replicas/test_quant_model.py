@@ -16,6 +16,7 @@ from replicas.gguf.convert import ensure_gguf_dir
 from replicas.models.loader import load_model
 from replicas.quant.choice import resolve_quantization
 from replicas.quant.linear import QuantEmbedding, QuantLinear
+from replicas.quant.summary import weight_bytes
 from tests.replicas.test_gguf_files import GgufWriter, Q
 from tests.replicas.test_quant_gguf_blocks import raw_tensor
 
@@ -114,8 +115,8 @@ def test_resident_weights_are_about_the_file_s_bytes(gguf_dir):
     none_model, _ = _logits(gguf_dir, "none", IDS[:2])
     # NOTE: K-quants' scales widen to float32 (their float16 x 6-bit products are not
     # all float16s); every other type keeps the file's bytes
-    assert quant_accuracy.weight_bytes(model) <= 1.25 * file_bytes
-    assert quant_accuracy.weight_bytes(none_model) > 3 * quant_accuracy.weight_bytes(model)
+    assert weight_bytes(model) <= 1.25 * file_bytes
+    assert weight_bytes(none_model) > 3 * weight_bytes(model)
 
 
 @pytest.mark.parametrize("requested, device, gguf, expected", [
@@ -156,7 +157,7 @@ def test_int8_and_int4_quantize_a_float_checkpoint_at_load(scheme, bound):
 def test_the_trained_preset_keeps_its_predictions_on_the_shipped_text():
     """auto against none on the trained preset's own GGUF types, every token through
     the integer kernel as decode runs it (the text's first 2,048 tokens here;
-    loadtests/quant_accuracy.py measures all of it)."""
+    `python -m loadtests.bench_engine --accuracy` measures all of it)."""
     rows = {r.mode: r for r in quant_accuracy.measure("smollm2-135m", ["none", "auto"],
                                                       max_tokens=2048)}
     assert abs(rows["auto"].perplexity / rows["none"].perplexity - 1) < 0.01
