@@ -9,10 +9,9 @@ import torch
 
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.model_config import ModelConfig
-from replicas.quant.choice import GGUF_NATIVE, gguf_source_file
+from replicas.quant.choice import GGUF_NATIVE, SCHEMES, gguf_source_file
 
 logger = logging.getLogger("stepstream")
-SCHEMES = ("int8", "int4")  # NOTE: replicas/quant/float_quantize.py's, without its numpy import
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -19,7 +19,8 @@ import os
 
 logger = logging.getLogger("stepstream")
 
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+SCHEMES = ("int8", "int4")  # quantized at load (replicas/quant/float_quantize.py)
+QUANTIZATIONS = ("auto", "none", *SCHEMES)
 GGUF_NATIVE = "gguf"  # what `auto` resolves to for a GGUF file on CPU
 
 
@@ -37,7 +38,7 @@ def gguf_source_file(model_dir: str) -> str | None:
 def resolve_quantization(requested: str, device: str, model_dir: str) -> tuple[str, str]:
     """(one of gguf, none, int8, int4; why); logs both."""
     on_cpu = device.split(":")[0] == "cpu"
-    if requested in ("int8", "int4") and not on_cpu:
+    if requested in SCHEMES and not on_cpu:
         raise ValueError(f"quantization {requested} runs on CPU only (the quantized-weight "
                          f"kernels are CPU kernels); on {device} use quantization none")
     source = gguf_source_file(model_dir)

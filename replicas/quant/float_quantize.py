@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from replicas.quant.choice import SCHEMES
 from replicas.quant.layouts import VALUES_PER_BLOCK, QuantizedWeight, from_arrays
 
-SCHEMES = ("int8", "int4")
 GROUP = 32
 
 

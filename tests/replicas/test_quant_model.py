@@ -153,6 +153,22 @@ def test_int8_and_int4_quantize_a_float_checkpoint_at_load(scheme, bound):
     assert error < bound, error
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_tied_embedding_is_quantized_once_for_lookups_and_the_lm_head(tmp_path, scheme):
+    """Qwen2-style: tied embeddings and q/k/v biases (added after the kernel)."""
+    from tests.model_dirs import make_model_dir
+    model_dir = make_model_dir(tmp_path, "qwen2")
+    model, logits = _logits(model_dir, scheme, IDS)
+    _, reference = _logits(model_dir, "none", IDS)
+    assert model.config.tie_word_embeddings and model.config.attention_bias
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert model.embed_tokens.weight_q is model.lm_head.parts[0]
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    assert weight_bytes(model) < weight_bytes(_logits(model_dir, "none", IDS[:2])[0]) / 2
+    error = ((logits - reference).norm(dim=-1) / reference.norm(dim=-1)).max()
+    assert error < (0.02 if scheme == "int8" else 0.3), error
+
+
 @pytest.mark.slow
 def test_the_trained_preset_keeps_its_predictions_on_the_shipped_text():
     """auto against none on the trained preset's own GGUF types, every token through
