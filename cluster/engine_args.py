@@ -59,9 +59,10 @@ _HELP = {
                                  "null: unbounded",
     "num_threads": "torch threads per engine replica; null: engine_num_cpus (at least 1) on "
                    "CPU, torch's own on CUDA",
-    "quantization": "auto: a GGUF file's quantized matrices run as stored (CPU), other "
-                    "checkpoints as stored; none: dequantized at load (the exact path); "
-                    "int8/int4: float weights quantized at load (replicas/quant/choice.py)",
+    "quantization": "auto: a GGUF file's quantized matrices run as stored on CPU, other "
+                    "checkpoints as stored; none: dequantized at load (the exact path); gguf: "
+                    "a GGUF file's own types, also on a GPU (Triton); int8/int4: float "
+                    "weights quantized at load (replicas/quant/choice.py)",
     "use_idle_cores": "CPU: while every other engine replica on the machine is idle, this one's "
                       "steps run on all the cores (a lone stream gets the machine's memory "
                       "bandwidth); with num_threads below the cores",

@@ -1,6 +1,6 @@
 """One-shot device check: `python -m loadtests.gpu_check [--quick] [--out DIR]`.
 
-Five parts, each time-boxed and caught on its own, the JSON rewritten after each:
+Six parts, each time-boxed and caught on its own, the JSON rewritten after each:
   kernel_accuracy   Triton decode vs the torch backend (Llama-3-8B, Qwen shapes)
   graph_decode      CUDA-graph 8-step windows == step-by-step eager decode (greedy)
   decode_bandwidth  KV bytes read per second vs the device's measured copy bandwidth
@@ -9,6 +9,9 @@ Five parts, each time-boxed and caught on its own, the JSON rewritten after each
                     device, no files), 256 streams decoding at once: step time for N=8
                     and N=1 windows, with the decode graphs and eager, and one window
                     under torch's profiler (GPU busy time, kernels and host operators).
+  quant_decode      one decode step's linear layers of the 8B shape in bfloat16, int8 and
+                    int4 (the Triton kernel) at batch 1, 16 and 256, CUDA graphs
+                    (loadtests/gpu_quant_check.py)
   end_to_end        the same shape through the offline AsyncEngine, all requests sent at
                     once, N=8 per-step streaming, N=8 per-window release and N=1, on two
                     workloads: 256 streams of 128 prompt / 256 output tokens, then 1,000
@@ -36,6 +39,7 @@ from unittest import mock
 import numpy as np
 import torch
 
+from loadtests.gpu_quant_check import check_quant_decode
 from loadtests.gpu_kernel_check import (Skipped, check_decode_kernel_accuracy, measure_decode_bandwidth,
                                         require_cuda)
 
@@ -63,7 +67,8 @@ E2E_CONFIGS = [  # name -> EngineConfig overrides, in the order they run (the la
 FIXED_SHAPE = (256, 128, 256)  # streams, prompt tokens, output tokens
 WORKLOADS = ("fixed", "sharegpt")  # end to end, in this order
 TOKENS_PER_WORD = 1.3  # the ShareGPT sample's lengths are in words; Llama-3 BPE is ~1.3 per word
-PARTS = ("kernel_accuracy", "graph_decode", "decode_bandwidth", "step_profile", "end_to_end")
+PARTS = ("kernel_accuracy", "graph_decode", "decode_bandwidth", "step_profile", "quant_decode",
+         "end_to_end")
 
 
 def _log(message: str) -> None:
@@ -383,7 +388,7 @@ def part_step_profile(quick: bool, budget_s: float) -> dict:
 
 # -- main ----------------------------------------------------------------------------------
 BUDGETS_S = {"kernel_accuracy": 60, "graph_decode": 60, "decode_bandwidth": 45, "step_profile": 90,
-             "end_to_end": 300}
+             "quant_decode": 60, "end_to_end": 300}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -411,7 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
            "decode_bandwidth": lambda budget_s: measure_decode_bandwidth(),
            "end_to_end": functools.partial(part_end_to_end, report, args.quick, args.num_requests,
                                            kinds=tuple(args.workloads)),
-           "step_profile": functools.partial(part_step_profile, args.quick)}
+           "step_profile": functools.partial(part_step_profile, args.quick),
+           "quant_decode": lambda budget_s: check_quant_decode(args.quick)}
     for name in args.parts:
         # NOTE: the end-to-end part takes whatever time the other parts leave over.
         later = sum(BUDGETS_S[n] for n in args.parts[args.parts.index(name) + 1:])

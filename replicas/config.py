@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from deltas.types import OutputKind
-from replicas.quant.choice import GGUF_NATIVE, QUANTIZATIONS
+from replicas.quant.choice import QUANTIZATIONS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
@@ -249,8 +249,9 @@ class EngineConfig:
     # (replicas/checkpoints/dtype_choice.py); resolved and logged at start-up.
     dtype: str = "auto"
     # auto: a GGUF file's quantized matrices run as stored (CPU); none: dequantized at
-    # load (the exact path); int8/int4: float weights quantized at load
-    # (replicas/quant/choice.py); resolved and logged at start-up.
+    # load (the exact path); gguf: the file's own types, asked for (GPU); int8/int4:
+    # float weights quantized at load (replicas/quant/choice.py); resolved and logged
+    # at start-up.
     quantization: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's own context length
@@ -288,7 +289,7 @@ class EngineConfig:
         _check(isinstance(self.model, str) and bool(self.model), "model",
                "a preset name or a model directory", self.model)
         _check(self.dtype in _DTYPES, "dtype", f"one of {_DTYPES}", self.dtype)
-        _check(self.quantization in QUANTIZATIONS + (GGUF_NATIVE,), "quantization",
+        _check(self.quantization in QUANTIZATIONS, "quantization",
                f"one of {', '.join(QUANTIZATIONS)}", self.quantization)
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
                "max_model_len", "null or an integer >= 1", self.max_model_len)

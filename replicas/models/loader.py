@@ -32,7 +32,7 @@ def load_model(model_dir: str, dtype: str, device: torch.device, max_positions: 
                quantization: str = "none") -> LlamaForCausalLM:
     """The model, its weights as `quantization` says (replicas/quant/choice.py; resolved):
     gguf keeps a GGUF file's quantized matrices, int8/int4 quantize float weights."""
-    if quantization != "none":
+    if quantization != "none" and device.type == "cpu":
         from replicas.quant.kernel import load_quant_kernels
         _, problem = load_quant_kernels()
         if problem is not None and quantization == GGUF_NATIVE:
@@ -43,12 +43,17 @@ def load_model(model_dir: str, dtype: str, device: torch.device, max_positions: 
             raise ValueError(f"quantization {quantization} cannot run here: {problem}")
     if quantization == GGUF_NATIVE:
         from replicas.quant.gguf_model import load_gguf_model
-        return load_gguf_model(model_dir, gguf_source_file(model_dir), _DTYPES[dtype],
-                               max_positions)
-    model = _load_float_model(model_dir, dtype, device, max_positions)
-    if quantization in SCHEMES:
-        from replicas.quant.model_quantization import quantize_linears
-        quantize_linears(model, quantization)
+        model = load_gguf_model(model_dir, gguf_source_file(model_dir), _DTYPES[dtype],
+                                max_positions)
+    else:
+        model = _load_float_model(model_dir, dtype, device, max_positions)
+        if quantization in SCHEMES:
+            from replicas.quant.model_quantization import quantize_linears
+            quantize_linears(model, quantization)
+    if quantization != "none" and device.type != "cpu":
+        from replicas.quant.model_quantization import move_quantized
+        model = model.to(device)
+        move_quantized(model, device)
     return model
 
 

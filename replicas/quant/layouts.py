@@ -80,9 +80,15 @@ class QuantizedWeight:
             values = values + self.mins.float().unsqueeze(-1)
         return values.reshape(N, K)
 
+    def to(self, device: torch.device) -> "QuantizedWeight":
+        """The same weight with its tensors on `device`."""
+        return QuantizedWeight(self.layout, self.group, self.out_features, self.in_features,
+                               self.codes.to(device), self.scales.to(device),
+                               None if self.mins is None else self.mins.to(device), self.source)
+
     def select_rows(self, rows: torch.Tensor | np.ndarray) -> "QuantizedWeight":
         """The weight of rows `rows` (a permutation or a subset), losslessly."""
-        rows = torch.as_tensor(rows, dtype=torch.int64)
+        rows = torch.as_tensor(rows, dtype=torch.int64, device=self.codes.device)
         return QuantizedWeight(self.layout, self.group, len(rows), self.in_features,
                                self.codes[rows].contiguous(), self.scales[rows].contiguous(),
                                None if self.mins is None else self.mins[rows].contiguous(),

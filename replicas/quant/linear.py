@@ -50,7 +50,8 @@ DEQUANT_BUFFER = _DequantBuffer()
 
 class QuantLinear(nn.Module):
     """y = x @ W.T + b, W given as quantized parts stacked by rows (a fused q/k/v or
-    gate/up whose parts came in different types stays several parts)."""
+    gate/up whose parts came in different types stays several parts). On a GPU every
+    batch runs the Triton kernel (replicas/quant/triton_matmul.py)."""
 
     def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None = None):
         super().__init__()
@@ -76,12 +77,17 @@ class QuantLinear(nn.Module):
         return [p.source for p in self.parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in ACTIVATION_DTYPES or x.device.type != "cpu":
-            raise TypeError(f"quantized linear layers run float32 or bfloat16 on CPU, got "
-                            f"{x.dtype} on {x.device}")
         shape = x.shape
         if x.dim() != 2 or not x.is_contiguous():
             x = x.reshape(-1, self.in_features).contiguous()
+        if x.is_cuda:
+            y = self._cuda_forward(x)
+            if self.bias is not None:
+                y += self.bias
+            return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
+        if x.dtype not in ACTIVATION_DTYPES or x.device.type != "cpu":
+            raise TypeError(f"quantized linear layers run float32 or bfloat16 on CPU, got "
+                            f"{x.dtype} on {x.device}")
         rows = x.shape[0]
         kernel_max_rows = self.kernel_max_rows
         if kernel_max_rows is None:
@@ -98,6 +104,20 @@ class QuantLinear(nn.Module):
 
     def _threads(self) -> int:
         return self.num_threads or torch.get_num_threads()
+
+    def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor:
+        from replicas.quant.triton_matmul import quant_matmul_into as triton_matmul_into
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        column = 0
+        for part in self.parts:
+            triton_matmul_into(x, part, out, column)
+            column += part.out_features
+        return out
+
+    def to_device(self, device: torch.device) -> "QuantLinear":
+        """This layer with its weights on `device` (a new layer; the bias moves too)."""
+        bias = None if self.bias is None else self.bias.to(device)
+        return QuantLinear([p.to(device) for p in self.parts], bias)
 
     def _kernel_forward(self, x: torch.Tensor, kernel) -> torch.Tensor:
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
@@ -125,10 +145,16 @@ class QuantEmbedding(nn.Module):
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
         super().__init__()
         self.weight_q = weight
-        self._desc = WeightDesc.of(weight)
+        self._desc = WeightDesc.of(weight)  # NOTE: read on CPU only
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = gather_rows(self._desc, ids.reshape(-1), self.dtype)
+        if ids.is_cuda:  # NOTE: torch's operators over the selected rows' codes
+            rows = self.weight_q.select_rows(ids.reshape(-1)).dequantize().to(self.dtype)
+        else:
+            rows = gather_rows(self._desc, ids.reshape(-1), self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)
+
+    def to_device(self, device: torch.device) -> "QuantEmbedding":
+        return QuantEmbedding(self.weight_q.to(device), self.dtype)

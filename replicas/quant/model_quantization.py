@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from replicas.quant.float_quantize import quantize_weight
@@ -37,3 +38,23 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
     logger.info("quantized %d linear layers to %s at load%s", num_quantized, scheme,
                 f" ({len(kept)} stay float: in_features not a multiple of 32)" if kept else "")
     return num_quantized
+
+
+def move_quantized(model: nn.Module, device: torch.device) -> None:
+    """Put every quantized layer's weights on `device`, in place; a tied lm-head keeps
+    sharing its embedding's weight. (nn.Module.to does not see them: they are plain
+    tensors, not parameters.)"""
+    moved: dict[int, object] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantEmbedding):
+                new = moved.setdefault(id(child.weight_q), child.to_device(device))
+                setattr(parent, name, new)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantLinear):
+                embedding = moved.get(id(child.parts[0])) if len(child.parts) == 1 else None
+                if embedding is not None:  # the tied lm-head: the embedding's moved copy
+                    setattr(parent, name, QuantLinear([embedding.weight_q]))
+                else:
+                    setattr(parent, name, child.to_device(device))

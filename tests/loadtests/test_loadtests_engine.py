@@ -93,3 +93,14 @@ def test_gpu_check_step_profile_plumbing_runs_on_cpu(tmp_path):
         assert w["batch"] == 16 and w["step_ms"] > 0 and w["profiled_steps"] == w["num_steps"]
         assert w["top_host_self_ms_per_step"]
         assert w["eager_step_ms"] is None and w["graph_torch_ops_step_ms"] is None  # no graphs on CPU
+
+
+def test_gpu_check_quant_decode_plumbing_runs_on_cpu(tmp_path):
+    data = gpu_check.main(["--quick", "--parts", "quant_decode", "--out", str(tmp_path)])
+    part = data["parts"]["quant_decode"]
+    assert part["status"] == "ok", part
+    rows = part["result"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 16, 256]
+    assert all(r["int4_step_ms"] > 0 and r["int8_vs_bfloat16"] > 0 for r in rows)
+    weights = part["result"]["weights_mb"]
+    assert weights["int4"] < weights["int8"] < weights["bfloat16"]

@@ -128,8 +128,11 @@ def test_quantization_resolves_by_checkpoint_and_device(gguf_dir, requested, dev
     assert resolve_quantization(requested, device, model_dir)[0] == expected
 
 
-def test_what_cannot_run_is_refused_with_the_reason(gguf_dir):
-    with pytest.raises(ValueError, match="CPU only"):
+def test_what_cannot_run_is_refused_with_the_reason(gguf_dir, monkeypatch):
+    from replicas.quant import choice
+    assert resolve_quantization("gguf", "cuda", gguf_dir)[0] == "gguf"  # asked for: the GPU kernel
+    monkeypatch.setattr(choice, "_gpu_kernel_problem", lambda: "Triton is not installed")
+    with pytest.raises(ValueError, match="needs the Triton kernel: Triton is not installed"):
         resolve_quantization("int4", "cuda", gguf_dir)
     with pytest.raises(ValueError, match="needs a GGUF file"):
         resolve_quantization("gguf", "cpu", ensure_model_dir("tiny"))
