@@ -64,6 +64,9 @@ class Scheduler:
         self.flush_outputs = flush_outputs
         self.num_waiting_prompt_tokens = 0
         self.num_preemptions = 0
+        # ids of requests that finished while being preempted in this schedule() (a
+        # victim's outputs are flushed first): out of `running`, never reserved again
+        self._dropped: set[int] = set()
         self.root_block_hash = root_block_hash(kv_namespace(config.model, config.dtype))
         # Tokens of admitted requests, and those of them found in the prefix cache.
         self.num_prefix_cache_query_tokens = 0
@@ -93,6 +96,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._dropped.clear()
         has_prompt_work = bool(self.waiting) or any(not r.is_decoding for r in self.running)
         if has_prompt_work:
             self._schedule_mixed_step(out)
@@ -116,7 +120,7 @@ class Scheduler:
         num_steps = self.config.num_scheduler_steps
         # NOTE: iterate over a copy: reserving may preempt requests from the back.
         for req in list(self.running):
-            if req.status == RequestStatus.RUNNING:
+            if self._still_running(req):
                 # positions [num_computed, num_computed + N) get K/V in this window
                 self._reserve(req, req.num_computed_tokens + num_steps, out)
         out.num_steps = num_steps
@@ -128,7 +132,7 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         # 1. every decoding request gets its one token (slot) first
         for req in [r for r in self.running if r.is_decoding]:
-            if req.status == RequestStatus.RUNNING:
+            if self._still_running(req):
                 self._reserve(req, req.num_computed_tokens + 1, out)
         decoding = [r for r in self.running if r.is_decoding]
         token_budget -= len(decoding)
@@ -140,7 +144,7 @@ class Scheduler:
             chunk = min(req.num_uncomputed_tokens, token_budget)
             end = req.num_computed_tokens + chunk
             # NOTE: no preemption here: a victim could already be in decode_seqs.
-            if req.status != RequestStatus.RUNNING or not bm.can_append(req.block_ids, end):
+            if not self._still_running(req) or not bm.can_append(req.block_ids, end):
                 continue
             bm.append_slots(req.block_ids, end)
             out.prefill_seqs.append(ScheduledSeq(req, req.num_computed_tokens, chunk,
@@ -225,6 +229,11 @@ class Scheduler:
         bm.append_slots(req.block_ids, num_tokens)
         return True
 
+    def _still_running(self, req: Request) -> bool:
+        """Not preempted since the caller's copy of `running` was taken: a live victim
+        is WAITING again, a finished one was dropped."""
+        return req.status == RequestStatus.RUNNING and id(req) not in self._dropped
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free a running request's blocks; it recomputes from scratch later."""
         self.flush_outputs()
@@ -233,6 +242,7 @@ class Scheduler:
             # finished while its outputs were in flight: the engine frees it
             self.block_manager.free(req.block_ids)
             req.num_computed_tokens = req.num_cached_blocks = 0
+            self._dropped.add(id(req))
             return
         # NOTE: its block hashes stay: the tokens are the same when it comes back,
         # and its own blocks may still be cached then.
