@@ -459,7 +459,8 @@ class Ingress:
                 self._engine_stream, self._channels, request_id, prompts, params, req.n,
                 lambda: TextStream(self._tokenizer, stop=req.stop_strings,
                                    include_stop_str_in_output=req.include_stop_str_in_output,
-                                   skip_special_tokens=req.skip_special_tokens),
+                                   skip_special_tokens=req.skip_special_tokens,
+                                   min_tokens=params.min_tokens),
                 self._pending, self._request_timeout_s, self._queue_timeout_s)
             relays = await runs.open()
         finally:

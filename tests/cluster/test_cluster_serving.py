@@ -350,6 +350,28 @@ BAD_REQUESTS = [
 ]
 
 
+def test_min_tokens_holds_back_stop_strings_too(client, offline, tokenizer):
+    """A stop string inside the first min_tokens tokens does not end the answer: it
+    ends at the first one after them, as the engine holds EOS and stop ids back."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    (text, ids), = reference(offline, tokenizer, [prompt_ids], temperature=0.0, max_tokens=40,
+                             ignore_eos=True)
+    early = tokenizer.decode(ids[:3])
+    stop = next((c for c in early if c.strip()), None)
+    if stop is None:
+        pytest.skip("no printable character in the first tokens of this output")
+    min_tokens = 12
+    free = tokenizer.decode(ids[:min_tokens])
+    after = text.find(stop, len(free))
+    expected = text if after < 0 else text[:after]
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
+                                        temperature=0, stop=[stop], stream=stream,
+                                        extra_body={"ignore_eos": True, "min_tokens": min_tokens})
+        got = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert got == expected and len(got) >= len(free)
+
+
 def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, client):
     with httpx.Client(timeout=60, headers=AUTH) as c:
         for path, body, status, param in BAD_REQUESTS:

@@ -145,3 +145,37 @@ def test_special_tokens_option(skip_special_tokens):
     ids = TOKENIZER.encode("hi") + [eos]
     outputs = stream(token_deltas(ids, [1]), skip_special_tokens=skip_special_tokens)
     assert "".join(o.text for o in outputs) == ("hi" if skip_special_tokens else "hi</s>")
+
+
+def _min_tokens_oracle(ids: list[int], stop: str, min_tokens: int) -> tuple[str, int] | None:
+    """(text, tokens) where a stream with min_tokens stops: the first stop string that
+    ends in the text after the first min_tokens tokens' text, wholly inside it; None:
+    no stop."""
+    free = TOKENIZER.decode(ids[:min_tokens])
+    rest = TOKENIZER.decode(ids)[len(free):]
+    at = rest.find(stop)
+    if at < 0:
+        return None
+    num_chars = len(free) + at + len(stop)
+    return free + rest[:at], max(min_tokens, tokens_to_complete(ids, num_chars))
+
+
+@given(min_tokens=st.integers(0, 30), cut=st.integers(1, 5))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_min_tokens_keeps_stop_strings_out_of_the_first_tokens(min_tokens, cut):
+    """A stop string does not end a stream inside its first min_tokens tokens, whatever
+    the deltas' cuts: it ends at the first match in the text after them."""
+    text = "one\ntwo\nthree\nfour\nfive\nsix\nseven\neight\n"
+    ids = TOKENIZER.encode(text)
+    outputs = stream(token_deltas(ids, list(range(0, len(ids), cut))), stop=["\n"],
+                     min_tokens=min_tokens)
+    expected = _min_tokens_oracle(ids, "\n", min_tokens)
+    got_text = "".join(o.text for o in outputs)
+    got_ids = [i for o in outputs for i in o.token_ids]
+    if expected is None:
+        assert got_text == text and outputs[-1].finish_reason == FinishReason.LENGTH
+        return
+    assert outputs[-1].finish_reason == FinishReason.STOP and outputs[-1].stop_reason == "\n"
+    assert (got_text, len(got_ids)) == expected
+    assert outputs[-1].num_output_tokens == len(got_ids)
+    assert len(got_ids) > min_tokens or min_tokens == 0
