@@ -81,30 +81,31 @@ def need_kernels() -> QuantKernels:
     return kernels
 
 
-def quant_matmul_into(x: torch.Tensor, desc: WeightDesc, out: torch.Tensor, column: int,
-                      num_threads: int) -> None:
-    """out[:, column:column + N] = x @ W.T with the integer kernel. x: (M, K)
-    contiguous float32 or bfloat16; out: (M, *) contiguous, float32 or bfloat16."""
-    code = need_kernels().linear(
+def _matmul_into(entry: str, x: torch.Tensor, desc: WeightDesc, out: torch.Tensor, column: int,
+                 num_threads: int) -> None:
+    """out[:, column:column + N] = x @ W.T by the library's `entry` (quant_linear's
+    signature). x: (M, K) contiguous float32 or bfloat16; out: (M, *) contiguous,
+    float32 or bfloat16."""
+    code = getattr(need_kernels(), entry)(
         x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], ctypes.addressof(desc),
         out.data_ptr() + column * out.element_size(), out.dtype == torch.bfloat16,
         out.shape[1], num_threads)
     if code != 0:
-        raise RuntimeError(f"quant_linear failed ({code}) for weights of {desc.out_features}x"
+        raise RuntimeError(f"quant_{entry} failed ({code}) for weights of {desc.out_features}x"
                            f"{desc.in_features}, group {desc.group}")
+
+
+def quant_matmul_into(x: torch.Tensor, desc: WeightDesc, out: torch.Tensor, column: int,
+                      num_threads: int) -> None:
+    """With the integer kernel (small batches: the weights read as stored)."""
+    _matmul_into("linear", x, desc, out, column, num_threads)
 
 
 def quant_gemm_into(x: torch.Tensor, desc: WeightDesc, out: torch.Tensor, column: int,
                     num_threads: int) -> None:
-    """As quant_matmul_into, with the batch kernel: weights dequantized in registers,
-    float arithmetic (for batches above the integer kernel's rows)."""
-    code = need_kernels().gemm(
-        x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], ctypes.addressof(desc),
-        out.data_ptr() + column * out.element_size(), out.dtype == torch.bfloat16,
-        out.shape[1], num_threads)
-    if code != 0:
-        raise RuntimeError(f"quant_gemm failed ({code}) for weights of {desc.out_features}x"
-                           f"{desc.in_features}, group {desc.group}")
+    """With the batch kernel: weight tiles dequantized into cache, float arithmetic
+    (for batches above the integer kernel's rows)."""
+    _matmul_into("gemm", x, desc, out, column, num_threads)
 
 
 def dequantize_into(desc: WeightDesc, out: torch.Tensor, num_threads: int) -> None:

@@ -65,8 +65,6 @@ class QuantLinear(nn.Module):
         # None: KERNEL_MAX_ROWS of the activations' dtype
         self.kernel_max_rows: int | None = None
         self.gemm_max_rows = GEMM_MAX_ROWS
-        # None: torch's thread count at each call (replicas/quant/threads.py may set it)
-        self.num_threads: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +101,8 @@ class QuantLinear(nn.Module):
         return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
 
     def _threads(self) -> int:
-        return self.num_threads or torch.get_num_threads()
+        # NOTE: torch's count at each call: the engine sets it per step (idle cores)
+        return torch.get_num_threads()
 
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor:
         from replicas.quant.triton_matmul import quant_matmul_into as triton_matmul_into

@@ -11,7 +11,6 @@ import subprocess
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from replicas.quant import kernel as quant_kernel
 from replicas.quant.float_quantize import quantize_weight

@@ -32,10 +32,6 @@
 #endif
 
 #define QBLOCK 32
-/* blocks ahead of the one a row's loop reads that it prefetches */
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 16
-#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #define WIDE512 1
 #endif
