@@ -208,7 +208,8 @@ def _logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted((t, float(b)) for t, b in pairs.items()))
 
 
-# Each kind of structured output: what its value must be, and that rule in words.
+# Each kind of structured output a client may send: what its value must be, and
+# that rule in words.
 _STRUCTURED_OUTPUT_KINDS = {
     "json": (lambda v: isinstance(v, dict), "a JSON schema object"),
     "json_object": (lambda v: v is True, "true"),
@@ -218,27 +219,25 @@ _STRUCTURED_OUTPUT_KINDS = {
     "grammar": (lambda v: isinstance(v, str), "a Lark grammar string"),
 }
 STRUCTURED_OUTPUT_KEYS = tuple(_STRUCTURED_OUTPUT_KINDS)
+# ... and the form the ingress sends engines: llguidance's grammar text, checked
+# once there (replicas/sampling/grammar_text.py), compiled by text, never re-checked.
+_CHECKED_KINDS = {"llguidance": (lambda v: isinstance(v, str), "an llguidance grammar text")}
 
 
 def check_structured_output(spec) -> None:
-    """Shape only; compiling needs the tokenizer (replicas/sampling/structured_output.py)."""
+    """Shape only: the grammar itself is checked where the request enters (the
+    ingress, replicas/sampling/grammar_text.py) or compiled (the engine), by
+    llguidance, off any event loop."""
     if spec is None:
         return
-    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_OUTPUT_KEYS:
+    kinds = {**_STRUCTURED_OUTPUT_KINDS, **_CHECKED_KINDS}
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in kinds:
         raise InvalidValue("structured_output must be an object with exactly one of "
                            f"{list(STRUCTURED_OUTPUT_KEYS)}, got {spec!r:.200}", "structured_output")
     (key, value), = spec.items()
-    is_valid, allowed = _STRUCTURED_OUTPUT_KINDS[key]
+    is_valid, allowed = kinds[key]
     if not is_valid(value):
         raise InvalidValue(f"structured_output.{key} must be {allowed}", "structured_output")
-    if key == "json":
-        import jsonschema  # NOTE: only requests with a schema pay its import
-        try:
-            jsonschema.validators.validator_for(value).check_schema(value)
-        except jsonschema.SchemaError as e:
-            where = "/".join(map(str, e.absolute_path)) or "(root)"
-            raise InvalidValue(f"structured_output holds an invalid JSON schema at {where}: "
-                               f"{e.message}", "structured_output") from None
 
 
 @dataclass(slots=True, frozen=True)

@@ -187,7 +187,7 @@ class _SamplingFields(BaseModel):
                 logit_bias=_token_id_keys(self.logit_bias),
                 structured_output=self._structured_output())
         except InvalidValue as e:
-            sent = self._field_sent_for(e.param)
+            sent = self.field_sent_for(e.param)
             if sent == e.param:
                 raise
             message = str(e).replace(f"{e.param} ", f"{sent} ", 1)
@@ -206,7 +206,8 @@ class _SamplingFields(BaseModel):
             return {"json_object": True}
         return {"json": fmt.json_schema.schema_}
 
-    def _field_sent_for(self, engine_field: str | None) -> str | None:
+    def field_sent_for(self, engine_field: str | None) -> str | None:
+        """The request's field that an engine field named in an error came from."""
         if engine_field == "structured_output":
             return "structured_outputs" if self.structured_outputs is not None else "response_format"
         return engine_field
@@ -347,12 +348,13 @@ class ChatCompletionRequest(_SamplingFields):
             return None
         return 0 if self.top_logprobs is None else self.top_logprobs
 
-    def _field_sent_for(self, engine_field: str | None) -> str | None:
+    def field_sent_for(self, engine_field: str | None) -> str | None:
+        """The request's field that an engine field named in an error came from."""
         if engine_field == "logprobs":
             return "top_logprobs"
         if engine_field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return super()._field_sent_for(engine_field)
+        return super().field_sent_for(engine_field)
 
     def template_messages(self, developer_role: str = "system") -> list[dict]:
         """The messages for the chat template. A `developer` message takes the

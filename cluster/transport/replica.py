@@ -40,6 +40,7 @@ from cluster.transport.outbox import OutboxRegistry, OutboxSink, StepOutbox
 from cluster.transport.owner_liveness import find_dead_owners, is_live_ingress_replica
 from cluster.transport.replica_stats import ReplicaCounts, ReplicaStats
 from cluster.transport.wire import GREETING, EngineRequest, decode_request, encode_step
+from replicas.sampling.compile_lanes import LanesBusy  # torch-free
 
 logger = logging.getLogger("ray.serve")
 
@@ -108,6 +109,9 @@ class EngineReplica:
         except ValueError as e:  # a schema or grammar that does not compile in time
             self._counts.num_requests_refused += 1
             raise ReplicaRejected(str(e)) from None
+        except LanesBusy as e:  # every compile worker is taken: busy, not wrong
+            self._counts.num_requests_refused += 1
+            raise ReplicaOverloaded(f"structured outputs are busy: {e}", 1.0) from None
         self._refuse_past_the_admission_bound()  # again: others came while it compiled
         self._start_sweeper()
         outbox = self._outboxes.get(req.owner)
@@ -286,8 +290,9 @@ class EngineReplica:
                 fail_stalled()
             raise
 
-    def health(self) -> bool:
-        """The same check, callable through a handle (the ingress's /health)."""
+    def health(self, pin_replica_id: str | None = None) -> bool:
+        """The same check, callable through a handle (the ingress's /health asks each
+        replica: `pin_replica_id`, read by the router)."""
         self.check_health()
         return True
 

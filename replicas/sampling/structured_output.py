@@ -2,10 +2,14 @@
 
 A request's `SamplingParams.structured_output` holds one of `json` (a JSON
 schema), `json_object` (true: any JSON object), `regex`, `choice` (a list of
-strings) or `grammar` (Lark). The engine compiles it with llguidance against the
-model's own tokenizer.json when it builds the request, in a worker thread bounded
-by `COMPILE_TIMEOUT_S` and llguidance's fuel limits: an invalid or too costly
-grammar is an `InvalidValue` (a 400 at the ingress), never a hung engine.
+strings), `grammar` (Lark), or `llguidance`: the grammar text the ingress
+already converted and checked (replicas/sampling/grammar_text.py). The engine
+compiles it with llguidance against the model's own tokenizer.json when it builds
+the request, in worker lanes (replicas/sampling/compile_lanes.py) whose time limit
+`COMPILE_TIMEOUT_S` counts the compile alone, not its wait: an invalid or too
+costly grammar is an `InvalidValue` (a 400 at the ingress), never a hung engine.
+A compiled grammar is kept by its text (`CompiledGrammars`): the `n` choices of a
+request, and later requests with the same schema, start from a copy of it.
 
 Invariant: before a constrained row is sampled, its matcher has consumed every
 one of the row's output tokens (EngineCore._on_step feeds it each token right
@@ -14,41 +18,66 @@ after the step's host sync), so the mask always comes from the previous token.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import json
 import logging
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
 from replicas.config import InvalidValue
+from replicas.sampling.compile_lanes import CompileLanes, LanesBusy, TooSlow
+from replicas.sampling.grammar_text import checked_grammar_text, grammar_text
 
 COMPILE_TIMEOUT_S = 2.0
-# NOTE: compact JSON: with flexible whitespace a sampled model may pad forever.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# Compiled grammars kept, by their text: at most this many, of this many characters
+# of text in all (a compiled grammar's memory grows with its text).
+MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_GRAMMAR_CHARS = 64 * 1024 * 1024
 _PARAM = "structured_output"
 logger = logging.getLogger("stepstream")
-_compile_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
+
+__all__ = ["COMPILE_TIMEOUT_S", "GrammarBatch", "GrammarCompiler", "GrammarMatcher",
+           "LanesBusy", "grammar_text"]
 
 
-def grammar_source(spec: dict) -> str:
-    """The llguidance grammar of a checked spec; raises InvalidValue."""
-    import llguidance as llg
-    (key, value), = spec.items()
-    if key == "json_object":
-        value = {"type": "object"}
-    if key in ("json", "json_object"):
-        # NOTE: SamplingParams already checked the schema against its metaschema
-        return llg.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS)
-    if key == "regex":
-        return llg.LLMatcher.grammar_from_regex(value)
-    if key == "choice":
-        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, value)))
-    return llg.LLMatcher.grammar_from_lark(value)
+class CompiledGrammars:
+    """Matchers in their start state, by grammar text, least recently used out first."""
+
+    def __init__(self, max_entries: int = MAX_CACHED_GRAMMARS,
+                 max_chars: int = MAX_CACHED_GRAMMAR_CHARS) -> None:
+        self._matchers: OrderedDict[str, object] = OrderedDict()
+        self._num_chars = 0
+        self._max_entries = max_entries
+        self._max_chars = max_chars
+        self._lock = threading.Lock()  # NOTE: compiles put from worker threads
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def get(self, text: str):
+        with self._lock:
+            matcher = self._matchers.get(text)
+            if matcher is not None:
+                self._matchers.move_to_end(text)
+            return matcher
+
+    def put(self, text: str, matcher) -> None:
+        if len(text) > self._max_chars:
+            return
+        with self._lock:
+            if text in self._matchers:
+                return
+            self._matchers[text] = matcher
+            self._num_chars += len(text)
+            while len(self._matchers) > self._max_entries or self._num_chars > self._max_chars:
+                old, _ = self._matchers.popitem(last=False)
+                self._num_chars -= len(old)
 
 
 class GrammarCompiler:
-    """One per engine: the model's token table, built once at start-up."""
+    """One per engine: the model's token table, built once at start-up, and the
+    grammars compiled against it."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]):
         import llguidance as llg
@@ -61,43 +90,59 @@ class GrammarCompiler:
                                                  eos_token=list(eos_token_ids))
             except Exception:  # noqa: BLE001 - serve without structured outputs
                 logger.exception("structured outputs are off: llguidance cannot read %s", path)
+        self.compiled = CompiledGrammars()
+        self._lanes = CompileLanes("grammar-compile")
 
     def compile(self, spec: dict, timeout_s: float = COMPILE_TIMEOUT_S) -> "GrammarMatcher":
-        """A fresh matcher for a checked `spec` (SamplingParams checked it), waited
-        for here; raises InvalidValue naming the problem."""
-        future = self._submit(spec)
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise _too_slow(timeout_s) from None
+        """A fresh matcher for a spec whose shape SamplingParams checked, waited for
+        here; raises InvalidValue naming the problem (LanesBusy when every worker is)."""
+        text = self._text(spec)
+        start = self.compiled.get(text)
+        if start is None:
+            try:
+                start = self._lanes.run(text, len(text), lambda: self._compile(text), timeout_s)
+            except TooSlow:
+                raise _too_slow(timeout_s) from None
+        return GrammarMatcher(start.deep_copy())
 
     async def compile_async(self, spec: dict,
                             timeout_s: float = COMPILE_TIMEOUT_S) -> "GrammarMatcher":
         """The same, awaited: an engine replica admits on its event loop, which must
         not stop while a schema compiles (every stream of the replica would wait)."""
-        future = self._submit(spec)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
-        except asyncio.TimeoutError:
-            raise _too_slow(timeout_s) from None
+        (key, _), = spec.items()
+        # NOTE: a spec not checked at an ingress is converted and checked off the loop
+        text = self._text(spec) if key == "llguidance" else await asyncio.to_thread(
+            self._text, spec)
+        start = self.compiled.get(text)
+        if start is None:
+            try:
+                start = await self._lanes.run_async(text, len(text),
+                                                    lambda: self._compile(text), timeout_s)
+            except TooSlow:
+                raise _too_slow(timeout_s) from None
+        return GrammarMatcher(start.deep_copy())
 
-    def _submit(self, spec: dict) -> concurrent.futures.Future:
+    def _text(self, spec: dict) -> str:
         if self.tokenizer is None:
             raise InvalidValue("structured outputs need the model's tokenizer.json and an "
                                "end-of-sequence token", _PARAM)
-        return _compile_pool.submit(self._compile, spec)
+        (key, _), = spec.items()
+        # NOTE: the ingress's text was checked there; a spec given to the engine
+        # directly (the offline engine) is checked here, once, by the same rule.
+        return grammar_text(spec) if key == "llguidance" else checked_grammar_text(spec)
 
-    def _compile(self, spec: dict) -> "GrammarMatcher":
-        llg = self._llg
-        matcher = llg.LLMatcher(self.tokenizer, grammar_source(spec), log_level=0)
+    def _compile(self, text: str):
+        """A matcher in its start state (run in a lane's worker), kept by its text."""
+        matcher = self._llg.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
             raise InvalidValue(f"{_PARAM} does not compile: {matcher.get_error()}", _PARAM)
-        return GrammarMatcher(matcher)
+        self.compiled.put(text, matcher)
+        return matcher
 
 
 def _too_slow(timeout_s: float) -> InvalidValue:
-    # NOTE: a compile past its time cannot be killed; llguidance's fuel limits end it.
+    # NOTE: a compile past its time cannot be killed; llguidance's fuel limits end it
+    # (and, done, it is kept: the same grammar asked again starts from it).
     return InvalidValue(f"{_PARAM} could not be compiled within {timeout_s:g} s; "
                         "simplify the schema or grammar", _PARAM)
 

@@ -2,6 +2,7 @@
 SamplingParams, the 400s naming the field sent, and the wire round trip."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from pydantic import ValidationError
 from cluster.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                          validation_error_message)
 from cluster.transport.wire import EngineRequest, decode_request, encode_request
-from replicas.config import InvalidValue
+from replicas.config import InvalidValue, SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, "x", None]}}, "required": ["a"]}
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -42,13 +43,6 @@ def test_both_forms_reach_the_engine_on_both_endpoints(cls, fields, spec):
 
 @pytest.mark.parametrize("cls", [CompletionRequest, ChatCompletionRequest])
 @pytest.mark.parametrize("fields, param, words", [
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "t", "schema": {"type": "object", "required": "a"}}}},
-     "response_format", "invalid JSON schema at required"),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "t", "schema": {"properties": {"a": {"type": "strin"}}}}}},
-     "response_format", "invalid JSON schema at properties/a/type"),
-    ({"structured_outputs": {"json": {"type": 5}}}, "structured_outputs", "invalid JSON schema"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not valid JSON"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
@@ -78,3 +72,33 @@ def test_the_spec_crosses_the_wire_intact():
     params = _request(CompletionRequest, structured_outputs={"json": SCHEMA}).sampling_params()
     back = decode_request(encode_request(EngineRequest("r", [1, 2], params, "owner")))
     assert back.sampling_params.structured_output == {"json": SCHEMA}
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"json": {"type": "object", "required": "a"}},
+     "invalid JSON schema: Expected array for 'required'"),
+    ({"json": {"properties": {"a": {"type": "strin"}}}}, "invalid JSON schema: Invalid type: strin"),
+    ({"json": {"type": 5}}, "invalid JSON schema: type must be a string"),
+    ({"regex": "[a-z"}, "unclosed character class"),
+    ({"grammar": "start: missing_rule"}, 'unknown name: "missing_rule"'),
+])
+def test_the_ingress_checks_a_grammar_once_off_its_loop(spec, words):
+    """SamplingParams check a spec's shape; its grammar is checked by llguidance in a
+    worker (replicas/sampling/grammar_text.py), and what engines get is its text."""
+    from replicas.sampling.grammar_text import GrammarChecks
+
+    params = SamplingParams(structured_output=spec)  # the shape is fine
+    with pytest.raises(InvalidValue) as info:
+        asyncio.run(GrammarChecks().checked(params.structured_output, 100))
+    assert info.value.param == "structured_output" and words in str(info.value)
+    checked = asyncio.run(GrammarChecks().checked({"json": SCHEMA}, 100))
+    assert list(checked) == ["llguidance"] and '"required":["a"]' in checked["llguidance"]
+
+
+def test_a_grammar_past_the_size_bound_is_refused_before_its_check():
+    from replicas.sampling.grammar_text import MAX_GRAMMAR_CHARS, GrammarChecks
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 90}
+                                               for i in range(MAX_GRAMMAR_CHARS // 100)}}
+    with pytest.raises(InvalidValue, match="is too large: its grammar has"):
+        asyncio.run(GrammarChecks().checked({"json": schema}, MAX_GRAMMAR_CHARS))
