@@ -74,6 +74,23 @@ def gcs_answers(timeout_s: float) -> bool:
     return True
 
 
+async def replica_states(app_name: str, deployment: str) -> dict[str, str]:
+    """The state Serve's controller gives each replica of `deployment` ("RUNNING",
+    "STARTING", "STOPPING", ...), by replica unique id (the id `pin_replica_id` takes).
+
+    NOTE: `ServeController.get_deployment_details` says it is for tests; its
+    `ReplicaDetails` are the public schema the REST API's `serve status` shows."""
+    import asyncio
+
+    import ray
+
+    # NOTE: off the event loop: get_actor asks the GCS, and blocks while it does.
+    controller = await asyncio.to_thread(ray.get_actor, serve_controller_name(),
+                                         namespace=serve_namespace())
+    details = await controller.get_deployment_details.remote(app_name, deployment)
+    return {r.replica_id: getattr(r.state, "value", r.state) for r in details.replicas}
+
+
 # Serve's HAProxy paths; it writes each under a folder of the node's id.
 _HAPROXY_PATHS = ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
                   "RAY_SERVE_HAPROXY_SERVER_STATE_FILE", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH")
@@ -99,6 +116,7 @@ PINNED = (
     ("ray.serve.context", "_serve_request_context"),
     ("ray.serve.request_router", "RequestRouter._fulfill_next_pending_request"),
     ("ray._private.worker", "global_worker"),
+    ("ray.serve._private.controller", "ServeController.get_deployment_details"),
     *(("ray.serve._private.constants", name) for name in _HAPROXY_PATHS),
     ("ray.serve._private.constants", "RAY_SERVE_HAPROXY_SERVER_STATE_BASE"),
 )

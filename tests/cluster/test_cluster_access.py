@@ -115,53 +115,56 @@ def test_launcher_refuses_a_public_address_without_a_key_before_starting_ray():
     assert "Started a local Ray" not in done.stderr + done.stdout
 
 
-class _Engine:
-    """Counts health calls; each takes a little while, like a real round trip."""
+class _Check:
+    """Counts engine health checks; each takes a little while, like a real round trip."""
 
     def __init__(self, fail: bool = False):
         self.calls = 0
         self.fail = fail
-        self.health = self
 
-    def remote(self):
+    async def __call__(self):
+        from cluster.api.engine_health import EngineHealth
+
         self.calls += 1
-
-        async def answer():
-            await asyncio.sleep(0.02)
-            if self.fail:
-                raise RuntimeError("engine dead")
-            return True
-        return answer()
+        await asyncio.sleep(0.02)
+        if self.fail:
+            return EngineHealth((), {"replica-a": "RuntimeError"})
+        return EngineHealth(("replica-a",))
 
 
 def test_health_is_cached_and_shared_by_concurrent_hits():
     from cluster.api.ingress import _HealthCache
 
+    def ok(health) -> bool:
+        return health.is_healthy
+
     async def main():
-        engine, cache = _Engine(), _HealthCache(ttl_s=0.3)
-        first = await asyncio.gather(*(cache.error(engine) for _ in range(200)))
-        again = [await cache.error(engine) for _ in range(200)]
-        assert first == again == [None] * 200 and engine.calls == 1
+        check = _Check()
+        cache = _HealthCache(ttl_s=0.3, check=check)
+        first = await asyncio.gather(*(cache.health() for _ in range(200)))
+        again = [await cache.health() for _ in range(200)]
+        assert all(map(ok, first + again)) and check.calls == 1
         # a client that hangs up does not cancel the check the others wait on
         await asyncio.sleep(0.35)
-        hung_up = asyncio.ensure_future(cache.error(engine))
-        waiting = asyncio.ensure_future(cache.error(engine))
+        hung_up = asyncio.ensure_future(cache.health())
+        waiting = asyncio.ensure_future(cache.health())
         await asyncio.sleep(0)
         hung_up.cancel()
-        assert await waiting is None and engine.calls == 2
+        assert ok(await waiting) and check.calls == 2
         # a check cancelled from outside (Serve cancels what a cancelled request
         # started) is not reused: the next hit starts a new one
         await asyncio.sleep(0.35)
-        first_hit = asyncio.ensure_future(cache.error(engine))
+        first_hit = asyncio.ensure_future(cache.health())
         await asyncio.sleep(0)
         cache._check_task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first_hit
-        calls = engine.calls
-        assert await cache.error(engine) is None and engine.calls == calls + 1
-        dead, dead_cache = _Engine(fail=True), _HealthCache(ttl_s=10.0)
-        answers = await asyncio.gather(*(dead_cache.error(dead) for _ in range(50)))
-        assert answers == ["RuntimeError"] * 50 and dead.calls == 1
+        calls = check.calls
+        assert ok(await cache.health()) and check.calls == calls + 1
+        dead = _Check(fail=True)
+        dead_cache = _HealthCache(ttl_s=10.0, check=dead)
+        answers = await asyncio.gather(*(dead_cache.health() for _ in range(50)))
+        assert {a.response().status_code for a in answers} == {503} and dead.calls == 1
     asyncio.run(main())
 
 

@@ -85,3 +85,20 @@ def test_the_router_keeps_its_fulfil_hook():
     assert params == ["self", "replica", "request_metadata"], where
     # NOTE: the FIFO mixin overrides it: the very override routing.py must bypass
     assert FIFOMixin._fulfill_next_pending_request is not RequestRouter._fulfill_next_pending_request, where
+
+
+def test_the_controller_lists_each_replica_with_its_id_and_state():
+    """What `replica_states` reads of `get_deployment_details` (the ingress's /health)."""
+    from ray.serve._private.common import ReplicaState
+    from ray.serve._private.controller import ServeController
+    from ray.serve.schema import DeploymentDetails, ReplicaDetails
+
+    where = _where("ray.serve._private.controller",
+                   "ServeController.get_deployment_details / ReplicaDetails")
+    params = list(inspect.signature(ServeController.get_deployment_details).parameters)
+    assert params == ["self", "app_name", "deployment_name"], where
+    fields = getattr(ReplicaDetails, "model_fields", None) or ReplicaDetails.__fields__
+    assert {"replica_id", "state"} <= set(fields), where
+    assert "replicas" in (getattr(DeploymentDetails, "model_fields", None)
+                          or DeploymentDetails.__fields__), where
+    assert {"RUNNING", "STARTING", "STOPPING", "STOPPED"} <= {s.value for s in ReplicaState}, where

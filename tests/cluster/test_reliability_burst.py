@@ -8,7 +8,8 @@ engine replicas of `max_num_seqs` 2, the engine's queue unbounded as by default)
 - a request that waits for its first token longer than `queue_timeout_s` gets 503 +
   Retry-After and is aborted in the engine;
 - once one replica's engine died, new requests all succeed: the refusal is retried
-  on the other replica before any header goes out, and admissions avoid the dead one.
+  on the other replica before any header goes out, and admissions avoid the dead one;
+  /health stays 200 and names the dead replica.
 """
 from __future__ import annotations
 
@@ -177,3 +178,12 @@ def test_new_requests_succeed_after_one_engine_died(server):
     assert all(r.json()["usage"]["completion_tokens"] == 4 for r in responses)
     served = handle.stats.remote(pin_replica_id=alive).result(timeout_s=30)
     assert served["num_requests_finished"] >= 50
+    # /health asks every engine replica (not one at random): 200 while one serves,
+    # naming the dead one, every time (each 1.1 s apart: past the ingress's cache)
+    for _ in range(10):
+        r = httpx.get(server + "/health", timeout=30)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert (body["num_healthy_replicas"], body["num_replicas"]) == (1, 2), body
+        assert list(body["unhealthy_replicas"]) == [dead], body
+        time.sleep(1.1)
