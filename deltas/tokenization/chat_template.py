@@ -4,11 +4,15 @@ Same environment as transformers' `apply_chat_template`: trim_blocks,
 lstrip_blocks, loop controls, a `tojson` that keeps non-ASCII text, and the
 `raise_exception` / `strftime_now` helpers. `{% generation %}` blocks (used by
 transformers to mark assistant tokens) render their body unchanged.
+
+`mask_special_text` / `unmask_special_text` let a tokenizer tell the template's
+own special tokens from special-token text that a chat's messages hold.
 """
 from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from typing import Any
 
@@ -72,3 +76,33 @@ def render_chat_template(
         messages=messages, tools=tools, documents=documents,
         add_generation_prompt=add_generation_prompt, **variables,
     )
+
+
+# NOTE: private-use characters and digits: no template filter (trim, upper, ...)
+# or normalizer changes them, so a marker comes out of the render as it went in.
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+
+
+def mask_special_text(value: Any, pattern: re.Pattern[str], nonce: str, hidden: list[str]) -> Any:
+    """`value` (messages or tools: nested dicts, lists, strings) with each match of
+    `pattern` in a string replaced by a marker; the matched texts go to `hidden`.
+
+    Only the strings' own matches are seen: special-token text made by joining two
+    strings (or a string and template text) is not, as the ingress passes one string
+    per message."""
+    if isinstance(value, str):
+        def hide(match: re.Match[str]) -> str:
+            hidden.append(match.group())
+            return f"{_MARK_OPEN}{nonce}.{len(hidden) - 1}{_MARK_CLOSE}"
+        return pattern.sub(hide, value)
+    if isinstance(value, dict):
+        return {key: mask_special_text(item, pattern, nonce, hidden) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [mask_special_text(item, pattern, nonce, hidden) for item in value]
+    return value
+
+
+def unmask_special_text(text: str, nonce: str, hidden: list[str]) -> str:
+    """`text` with `mask_special_text`'s markers back to the texts they hid."""
+    marker = re.compile(re.escape(f"{_MARK_OPEN}{nonce}.") + r"(\d+)" + re.escape(_MARK_CLOSE))
+    return marker.sub(lambda match: hidden[int(match.group(1))], text)

@@ -6,18 +6,21 @@ add_bos_token), chat_template.jinja if present, and generation_config.json
 (eos_token_id, int or list) if present.
 
 NOTE: a rendered chat already holds its special tokens: encode it with
-`add_special_tokens=False` (as transformers' apply_chat_template does).
+`add_special_tokens=False` (as transformers' apply_chat_template does). Encode a
+chat with `encode_chat`: special-token text inside its messages stays text there.
 """
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import tokenizers
 
-from deltas.tokenization.chat_template import render_chat_template
+from deltas.tokenization.chat_template import mask_special_text, render_chat_template, unmask_special_text
 from deltas.tokenization.token_bytes import TokenByteTable
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -53,6 +56,16 @@ def _read_chat_templates(directory: Path, config: dict[str, Any]) -> dict[str, s
 
 # Above this many characters, encoding releases the GIL (see Tokenizer.encode).
 _RELEASE_GIL_CHARS = 4096
+# A non-special added token of the plain-text backend only: see Tokenizer._encode_split_chat.
+_ANCHOR = "\ue002stepstream-anchor\ue003"
+
+
+def _special_text_pattern(special_texts: set[str]) -> re.Pattern[str] | None:
+    """Longest first, so that a match is the one the tokenizer's added vocabulary makes."""
+    if not special_texts:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(special_texts, key=len, reverse=True)))
+
 
 class Tokenizer:
     def __init__(
@@ -73,6 +86,10 @@ class Tokenizer:
         # NOTE: added tokens may sit past a gap in the ids; the model's ids are dense.
         self.vocab_size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
         self.all_special_ids = {i for i, token in added.items() if token.special}
+        # Ids the backend makes of special-token text (control tokens), and that text.
+        self._added_special_ids = frozenset(self.all_special_ids)
+        self._special_text = _special_text_pattern({added[i].content for i in self._added_special_ids})
+        self._plain_backend: tokenizers.Tokenizer | None = None  # built on first use
         self.all_special_ids.update(i for i in [self.bos_token_id, *self.eos_token_ids] if i is not None)
         self._prepend_bos, self._strip_bos = self._bos_policy(add_bos_token)
         self._byte_table: TokenByteTable | None = None
@@ -145,6 +162,75 @@ class Tokenizer:
             )
         except jinja2.TemplateError as error:  # raise_exception(...) in the template, or a broken one
             raise ValueError(f"chat template: {error}") from error
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        template_name: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """The prompt ids of a chat, where only the chat template's own text makes
+        control tokens: special-token text inside messages or tools (a user's
+        "<|im_end|><|im_start|>system") is tokenized as plain text, as transformers'
+        `split_special_tokens=True` does, so that it cannot forge a turn.
+
+        A chat without such text takes the plain path (render, then one encode) and
+        gets exactly its ids: its contents are not tokenized apart from the template.
+        """
+        hidden: list[str] = []
+        nonce = str(secrets.randbelow(10**12))
+        if self._special_text is not None:
+            messages = mask_special_text(messages, self._special_text, nonce, hidden)
+            tools = mask_special_text(tools, self._special_text, nonce, hidden)
+        text = self.apply_chat_template(messages, add_generation_prompt, template_name=template_name,
+                                        tools=tools, **template_kwargs)
+        if not hidden:
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_split_chat(text, nonce, hidden)
+
+    def _encode_split_chat(self, text: str, nonce: str, hidden: list[str]) -> list[int]:
+        """`text` (a chat rendered with its special-token text masked) to ids: every
+        control token left is the template's; the pieces between them, unmasked, are
+        encoded with special tokens as plain text.
+
+        NOTE: the backend splits its input at added tokens and encodes each piece on
+        its own anyway; a piece after one is encoded behind `_ANCHOR` (an added token
+        of the plain backend, dropped after) so that offset-dependent rules (Metaspace
+        `prepend_scheme="first"`) treat it as today, and ids match the plain path
+        everywhere but at the hidden text."""
+        encoding = self.backend.encode_batch([text], add_special_tokens=False)[0]
+        controls: list[int] = []
+        pieces: list[str] = []
+        start = 0
+        for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in self._added_special_ids:
+                controls.append(token_id)
+                pieces.append(text[start:begin])
+                start = end
+        pieces.append(text[start:])
+        plain, anchor_id = self._plain_text_backend()
+        texts = [unmask_special_text(p, nonce, hidden) for p in pieces]
+        encodings = plain.encode_batch([texts[0]] + [_ANCHOR + t for t in texts[1:]], add_special_tokens=False)
+        ids = list(encodings[0].ids)
+        for control, piece in zip(controls, encodings[1:]):
+            assert piece.ids[0] == anchor_id
+            ids.append(control)
+            ids.extend(piece.ids[1:])
+        return ids
+
+    def _plain_text_backend(self) -> tuple[tokenizers.Tokenizer, int]:
+        """A copy of the backend that encodes special-token text as text, with `_ANCHOR`
+        added; its own, since `encode_special_tokens` is per backend and other threads
+        encode with ours."""
+        if self._plain_backend is None:
+            plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            plain.add_tokens([tokenizers.AddedToken(_ANCHOR, special=False, normalized=False)])
+            self._plain_backend = plain
+        return self._plain_backend, self._plain_backend.token_to_id(_ANCHOR)
 
     # -- incremental detokenizing support ----------------------------------
 
