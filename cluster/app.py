@@ -19,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.api.access import API_KEY_ENV
 from cluster.engine_args import EngineArgs, engine_config_dict
-from cluster.api.ingress import DEFAULT_MAX_BODY_BYTES, Ingress
+from cluster.api.ingress import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, Ingress
 from cluster.transport.replica import EngineReplica
 from cluster.transport.routing import ROUTER_PATH
 from replicas.checkpoints.presets import served_name
@@ -129,6 +129,10 @@ class AppArgs(EngineArgs):
         "the key: no secret in the config")
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get 413")
+    body_timeout_s: float = Field(
+        DEFAULT_BODY_TIMEOUT_S, gt=0.0, description="a request body not all in within this "
+        "long gets 408; it is read before the request takes a pending slot, so a client "
+        "that trickles its body costs only itself")
     # Checked against the running Serve's HTTP host (cluster/api/access.py).
     allow_unauthenticated: bool = Field(
         False, description="without a key the app serves on a loopback host only, unless "
@@ -295,6 +299,7 @@ def make_app(args: AppArgs, engine_factory: Callable | None = None) -> Applicati
         engine, served_model_name=args.name_served, model=args.model,
         api_key_sha256=args.api_key_digest(),
         allow_unauthenticated=args.allow_unauthenticated,
-        max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
+        max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
+        request_timeout_s=args.request_timeout_s,
         queue_timeout_s=args.queue_timeout_s, max_pending_requests=args.ingress_max_pending,
         max_engine_requests=args.max_engine_requests_at_once)

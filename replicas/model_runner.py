@@ -195,6 +195,7 @@ class ModelRunner:
         grammars = GrammarBatch.from_rows(inputs.sampled_rows, self.model_config.vocab_size,
                                           self.device)
         pending: PendingHostCopy | None = None
+        raw_logits = None  # the logits before a grammar's mask, where logprobs need them
         # NOTE: one buffer for the window: each step's logits are sampled before the next forward
         logits_out = self._logits_buffer(len(inputs.logits_indices))
         for step in range(sched.num_steps):
@@ -210,8 +211,10 @@ class ModelRunner:
                 if pending is not None:
                     on_step(step - 1, inputs.sampled_rows, self._host_sync_pending(pending))
                     pending = None
+                # NOTE: logprobs come from the model's logits, before the mask's -inf
+                raw_logits = logits.clone() if sampling.needs_logprobs else None
                 grammars.mask_logits_(logits)
-            sampled, packed = sample_no_sync(logits, sampling)
+            sampled, packed = sample_no_sync(logits, sampling, raw_logits)
             if step + 1 < sched.num_steps:
                 meta = inputs.meta
                 advance_decode_inputs_(inputs.input_ids, inputs.positions, meta.decode_seq_lens,

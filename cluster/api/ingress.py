@@ -15,6 +15,7 @@ All checks happen BEFORE the replica is called; errors are OpenAI-shaped 4xx
 # as a class, not a string, through Serve's class-based views.
 import asyncio
 import contextvars
+import dataclasses
 import hmac
 import logging
 import time
@@ -34,18 +35,23 @@ from cluster.api.openai_protocol import (ChatCompletionRequest, CompletionReques
                                          validation_error_message)
 from cluster.transport.channels import ChannelHub
 from cluster.api.choice_runs import ChoiceRuns
+from cluster.api.engine_health import EngineHealth, EngineHealthCheck
 from cluster.errors import replica_error
 from cluster.http_scheduling import batch_this_process
 from cluster.api.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter, TokenLabels
-from cluster.api.pending_gate import PendingGate
+from cluster.api.pending_gate import RETRY_AFTER_S, PendingGate
 from cluster.api.response_writer import SSEResponse, abort_all, json_answer, sse_events
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 from replicas.request_validation import RequestLimits
+from replicas.sampling.grammar_text import GrammarChecks, LanesBusy  # torch-free
 from deltas.text_stream import TextStream
 
 logger = logging.getLogger("ray.serve")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# A request body must be all in within this long (408 past it): it is read before the
+# request takes a pending slot, and the deadline ends a body that trickles in.
+DEFAULT_BODY_TIMEOUT_S = 30.0
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for it, which Serve's access log uses too
 # /v1/models waits this long at most for the engine's model info (its max_model_len): a
 # model list must answer while no engine replica is up yet
@@ -151,10 +157,6 @@ def _is_authorized(request: Request) -> bool:
     # Digests of equal length compared in constant time: neither the key nor its
     # length leaks through timing.
     return hmac.compare_digest(key_digest(token.strip()), expected)
-
-
-async def _await(response) -> object:
-    return await response
 
 
 def _too_large(limit: int) -> ApiError:
@@ -283,37 +285,34 @@ HEALTH_CACHE_TTL_S = 1.0
 
 
 class _HealthCache:
-    """The engine's health as /health reports it. /health is open without a key, so
-    however often it is hit, the engine is asked at most once per `ttl_s`, by one
-    check that every hit meanwhile shares."""
+    """The engine's health as /health reports it (cluster/api/engine_health.py: every
+    engine replica's). /health is open without a key, so however often it is hit, the
+    engine is asked at most once per `ttl_s`, by one check that every hit meanwhile shares.
+    `check` never raises."""
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, check) -> None:
         self._ttl_s = ttl_s
+        self._check_engine = check  # async () -> EngineHealth
         self._checked_at = float("-inf")
-        self._error: str | None = None  # None: healthy
+        self._health = EngineHealth(error="not checked yet")
         self._check_task: asyncio.Task | None = None
 
-    async def error(self, engine) -> str | None:
+    async def health(self) -> EngineHealth:
         if time.monotonic() - self._checked_at < self._ttl_s:
-            return self._error
+            return self._health
         if self._check_task is None or self._check_task.done():
             # NOTE: a fresh context: a task started inside a request's context is
             # cancelled with that request (a client hanging up), and would then fail
             # every later hit.
             self._check_task = asyncio.get_running_loop().create_task(
-                self._check(engine), context=contextvars.Context())
+                self._check(), context=contextvars.Context())
         # NOTE: shielded: a client hanging up must not cancel the check others wait on.
         await asyncio.shield(self._check_task)
-        return self._error
+        return self._health
 
-    async def _check(self, engine) -> None:
-        try:
-            await asyncio.wait_for(_await(engine.health.remote()), timeout=10.0)
-            error = None
-        except Exception as e:
-            logger.warning("health check failed: %r", e)
-            error = type(e).__name__
-        self._error, self._checked_at, self._check_task = error, time.monotonic(), None
+    async def _check(self) -> None:
+        health = await self._check_engine()
+        self._health, self._checked_at, self._check_task = health, time.monotonic(), None
 
 
 # NOTE: the class comes last: serve.ingress copies the route methods with a snapshot
@@ -325,6 +324,7 @@ class Ingress:
     def __init__(self, engine, served_model_name: str, model: str,
                  api_key_sha256: str | None = None, allow_unauthenticated: bool = False,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                  request_timeout_s: float | None = None,
                  queue_timeout_s: float | None = None,
                  max_pending_requests: int | None = None,
@@ -353,9 +353,11 @@ class Ingress:
         self._max_token_chars = _max_token_chars(self._tokenizer)
         self._developer_role = developer_role(self._tokenizer)
         self._max_body_bytes = max_body_bytes
+        self._body_timeout_s = body_timeout_s
         self._request_timeout_s = request_timeout_s
         self._queue_timeout_s = queue_timeout_s
         self._pending = PendingGate(max_pending_requests)
+        self._grammar_checks = GrammarChecks()
         self._max_engine_requests = max_engine_requests
         self._model_info: dict | None = None
         self._limits: RequestLimits | None = None  # from the engine's model_info
@@ -376,12 +378,10 @@ class Ingress:
     async def health(self) -> JSONResponse:
         cache = getattr(self, "_health_cache", None)
         if cache is None:  # made on first use: one per ingress replica
-            cache = self._health_cache = _HealthCache(HEALTH_CACHE_TTL_S)
-        error = await cache.error(self._engine)
-        if error is not None:
-            return ApiError(503, f"engine unhealthy: {error}",
-                            code="engine_unavailable").response()
-        return JSONResponse({"status": "ok"})
+            cache = self._health_cache = _HealthCache(
+                HEALTH_CACHE_TTL_S, EngineHealthCheck(self._engine).run)
+        # NOTE: 200 while any engine replica serves; the body counts them and names the rest
+        return (await cache.health()).response()
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -427,17 +427,22 @@ class Ingress:
         unsupported = _unsupported_media_type(request)
         if unsupported is not None:
             raise unsupported
-        # NOTE: before the body is read: past the bound a request costs a counter check.
+        # NOTE: past the bound a request costs a counter check, its body unread ...
+        self._pending.check()
+        # ... and a body is read before the request takes a slot: one that trickles in
+        # holds its own connection until its deadline, never a slot of everyone's.
+        body = await self._read_body(request)
         self._pending.enter()
         admitted_at = time.monotonic()
         try:
-            body = await self._read_body(request)
             req = _parse(ChatCompletionRequest if chat else CompletionRequest, body)
             if req.model != self._served_model_name:
                 raise ApiError(404, f"The model '{req.model}' does not exist; this server "
                                f"serves '{self._served_model_name}'", param="model",
                                code="model_not_found")
             params = _sampling_params(req)
+            if params.structured_output is not None:
+                params = await self._check_grammar(req, params, len(body))
             _check_engine_requests(1 if chat else len(req.prompts), req.n,
                                    self._max_engine_requests)
             info = await self._info()
@@ -483,6 +488,22 @@ class Ingress:
                                               metrics=self._metrics),
                             headers=timing)
 
+    async def _check_grammar(self, req, params: SamplingParams, size: int) -> SamplingParams:
+        """`params` with its structured output as the checked grammar text engines
+        compile (replicas/sampling/grammar_text.py): checked once, here, off the event
+        loop; a 400 naming the field sent, or a 429 while every checker is busy."""
+        try:
+            checked = await self._grammar_checks.checked(params.structured_output, size)
+        except InvalidValue as e:
+            sent = req.field_sent_for(e.param)
+            raise _bad_value(InvalidValue(str(e).replace(f"{e.param} ", f"{sent} ", 1),
+                                          sent, e.code)) from None
+        except LanesBusy as e:
+            raise ApiError(429, f"The server is busy checking structured outputs ({e}); retry "
+                           "later", code="rate_limit_exceeded",
+                           retry_after_s=RETRY_AFTER_S) from None
+        return dataclasses.replace(params, structured_output=checked)
+
     def _check_prompt_chars(self, req, chat: bool, max_model_len: int) -> int:
         """400 before tokenizing a prompt too long for the context whatever it holds;
         else the characters the prompts hold at least (`_prompt_chars`)."""
@@ -508,11 +529,11 @@ class Ingress:
         if chat:
             try:
                 messages = req.template_messages(self._developer_role)
-                text = self._tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=req.add_generation_prompt)
+                # NOTE: special-token text in the messages stays text: a user cannot forge a turn
+                return [self._tokenizer.encode_chat(
+                    messages, add_generation_prompt=req.add_generation_prompt)]
             except Exception as e:
                 raise bad_request(f"Could not apply the chat template: {e}", "messages") from None
-            return [self._tokenizer.encode(text, add_special_tokens=False)]
         return [self._tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str)
                 else list(p) for p in req.prompts]
 
@@ -542,15 +563,25 @@ class Ingress:
         return self._model_info
 
     async def _read_body(self, request: Request) -> bytes:
+        """The body, at most max_body_bytes (413), all in within body_timeout_s (408)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
             raise _too_large(self._max_body_bytes)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self._max_body_bytes:
-                raise _too_large(self._max_body_bytes)
-            chunks.append(chunk)
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self._max_body_bytes:
+                    raise _too_large(self._max_body_bytes)
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self._body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"The request body did not arrive within {self._body_timeout_s:g} "
+                           f"s ({size} bytes came)", code="request_timeout") from None
         return b"".join(chunks)
 
     def _authorize(self, request: Request) -> None:

@@ -195,8 +195,9 @@ def completion_logprobs(token_ids: list[int], logprobs: list[float],
         text_offset += len(tok)
     tops = None
     if top_logprobs is not None:
-        tops = [{token_text(t): lp for t, lp in alts} for alts in top_logprobs]
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops,
+        tops = [{token_text(t): _finite(lp) for t, lp in alts} for alts in top_logprobs]
+    return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in logprobs],
+            "top_logprobs": tops,
             "text_offset": offsets}
 
 
@@ -214,4 +215,15 @@ def chat_logprobs(token_ids: list[int], logprobs: list[float],
 
 def _chat_entry(labels: TokenLabels, token_id: int, logprob: float) -> dict:
     text, raw = labels.label(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(raw)}
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
+
+
+# OpenAI's logprob for a token of no probability. JSON has no -Infinity: an event
+# holding one is not JSON a client can parse. The engine's logprobs are the
+# model's own and finite (replicas/sampling/sampler.py); this floor keeps a
+# model's -inf logit from ever breaking a stream.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN too

@@ -10,6 +10,14 @@ which this command extends. Without splicing HAProxy copies through its buffers:
 for SSE events of a few hundred bytes and small request bodies that is no dearer
 (docs/performance.md).
 
+It also bounds the time a client may take to send its request's headers
+(`timeout http-request`, `HTTP_REQUEST_TIMEOUT_S`), which Serve's config leaves
+unset, so that only `timeout client` (an hour of inactivity) ended a client that
+trickles them: the line goes into the `defaults` of the config file Serve wrote,
+in place (Serve finds its HAProxy by that file's path on the command line), under
+the lock Serve writes it with. A body is bounded by the ingress
+(`body_timeout_s`).
+
 It also puts HAProxy under SCHED_BATCH (cluster/http_scheduling.py: its wakeups by
 the ingress's writes do not preempt the ingress), unless `STEPSTREAM_HTTP_SCHED_BATCH=0`.
 
@@ -17,7 +25,9 @@ It imports neither torch nor Ray: Serve runs it at every start and reload of HAP
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import shutil
 import sys
 
@@ -28,6 +38,8 @@ COMMAND = "stepstream-haproxy"
 # a RAY_SERVE_HAPROXY_BINARY_PATH the user had set before it pointed Serve here).
 REAL_BINARY_ENV = "STEPSTREAM_HAPROXY_BINARY"
 NO_SPLICE_FLAG = "-dS"  # HAProxy's "disable the use of the splice() system call"
+HTTP_REQUEST_TIMEOUT_S = 30
+_DEFAULTS_LINE = re.compile(r"^defaults\b.*$", re.MULTILINE)
 
 
 def is_executable(path: str) -> bool:
@@ -72,11 +84,40 @@ def command_line(argv: list[str], environ: dict[str, str] | None = None) -> list
     return [real_haproxy(environ), NO_SPLICE_FLAG, *argv]
 
 
+def with_request_timeout(config: str, timeout_s: int = HTTP_REQUEST_TIMEOUT_S) -> str:
+    """`config` with `timeout http-request` in its first `defaults` section, unless it
+    sets one already (or has no such section)."""
+    if re.search(r"^\s*timeout\s+http-request\b", config, re.MULTILINE):
+        return config
+    return _DEFAULTS_LINE.sub(lambda m: f"{m.group(0)}\n    timeout http-request {timeout_s}s",
+                              config, count=1)
+
+
+def set_request_timeout(argv: list[str]) -> None:
+    """Put the timeout into each config file `-f` names (best effort: HAProxy runs
+    with Serve's config as it is where the file cannot be changed)."""
+    for flag, path in zip(argv, argv[1:]):
+        if flag != "-f" or not os.path.isfile(path):
+            continue
+        try:
+            with open(path + ".lock", "w") as lock:  # NOTE: the lock Serve writes it under
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+                with open(path) as f:
+                    config = f.read()
+                patched = with_request_timeout(config)
+                if patched != config:
+                    with open(path, "w") as f:
+                        f.write(patched)
+        except OSError as e:
+            print(f"{COMMAND}: {path} keeps no http-request timeout: {e}", file=sys.stderr)
+
+
 def main() -> None:
     try:
         args = command_line(sys.argv[1:])
     except FileNotFoundError as e:
         sys.exit(f"{COMMAND}: {e}")
+    set_request_timeout(args)
     batch_this_process()  # kept across exec, and by the threads HAProxy starts
     # NOTE: exec, not a child: Serve signals and reloads HAProxy by this process's pid
     os.execv(args[0], args)

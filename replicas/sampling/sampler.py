@@ -321,11 +321,16 @@ def _draw_from_candidates(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tens
     return sampled
 
 
-def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch,
+                   raw_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, V) float32 logits -> (sampled ids (B,) int64, packed (B, K) for the host).
 
     packed is the ids alone, or with logprobs [id, logprob, top ids..., top logprobs...]
     as float32 (ids are exact in float32 below 2**24): one tensor, one host copy.
+    Logprobs are the model's own distribution, before every sampling parameter and a
+    grammar's mask (as vLLM's default): `raw_logits` are the logits before that mask
+    where `logits` carry it (None: `logits` are the model's own), so a logprob is
+    always finite, and the top alternatives may hold tokens the grammar forbids.
     Raises SamplingOutOfMemory when the batch cannot get memory.
     """
     # NOTE: a failure after a seeded row drew its numbers (the draw's temporaries,
@@ -334,7 +339,7 @@ def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tenso
     # on CUDA, 5 KB on CPU) and only seeded rows have one.
     states = [(gen, gen.get_state()) for _, gen in sb.seeded_rows] if sb.seeded_rows else None
     try:
-        return _sample_no_sync(logits, sb)
+        return _sample_no_sync(logits, sb, logits if raw_logits is None else raw_logits)
     except BaseException as e:
         for gen, state in states or ():
             gen.set_state(state)
@@ -343,8 +348,8 @@ def sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tenso
         raise
 
 
-def _sample_no_sync(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    raw_logits = logits
+def _sample_no_sync(logits: torch.Tensor, sb: SamplingBatch,
+                    raw_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = adjusted_logits(logits, sb)
     if sb.all_greedy:
         sampled = greedy_tokens(logits)

@@ -135,7 +135,9 @@ class GrammarCompiler:
         """A matcher in its start state (run in a lane's worker), kept by its text."""
         matcher = self._llg.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise InvalidValue(f"{_PARAM} does not compile: {matcher.get_error()}", _PARAM)
+            # NOTE: the first line only: a limit llguidance asserts comes with its backtrace
+            error = matcher.get_error().strip().split("\n", 1)[0][:500]
+            raise InvalidValue(f"{_PARAM} does not compile: {error}", _PARAM)
         self.compiled.put(text, matcher)
         return matcher
 
@@ -172,8 +174,10 @@ class GrammarMatcher:
         if ok and not matcher.is_error():
             return None
         self.failed = True
+        # NOTE: the first line only: llguidance's parser errors append its whole state
+        error = (matcher.get_error() or "token rejected").strip().split("\n", 1)[0][:500]
         return (f"the structured output's grammar failed at output token {num_output_tokens}: "
-                f"{matcher.get_error() or 'token rejected'}")
+                f"{error}")
 
 
 class GrammarBatch:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 
@@ -86,7 +87,9 @@ def engines_idle() -> bool:
 
 
 def test_health_and_models(server, client):
-    assert httpx.get(server + "/health").json() == {"status": "ok"}  # no key needed
+    health = httpx.get(server + "/health").json()  # no key needed
+    assert health == {"status": "ok", "num_healthy_replicas": 2, "num_replicas": 2,
+                      "unhealthy_replicas": {}}, health
     head = httpx.head(server + "/health")
     assert head.status_code == 200 and head.content == b""
     # NOTE: the first request of this module: the card has the context length before
@@ -764,10 +767,39 @@ def test_structured_outputs_regex_and_choice_stream(client):
     assert out.choices[0].message.content in ("left", "right")
 
 
+def _strict_json(text: str):
+    """JSON as the spec has it: -Infinity and NaN are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_structured_outputs_with_top_logprobs_are_finite_json(server, stream):
+    """A grammar's mask once gave its forbidden alternatives -inf: not JSON streamed,
+    a 500 not streamed. Logprobs are the model's own, finite."""
+    body = {"model": "tiny", "messages": STRUCTURED_MESSAGES, "max_tokens": 4, "seed": 3,
+            "logprobs": True, "top_logprobs": 20, "stream": stream,
+            "structured_outputs": {"choice": ["yes", "no"]}}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60, headers=AUTH)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [_strict_json(line[len("data: "):]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+    else:
+        chunks = [_strict_json(r.text)]
+    entries = [e for c in chunks for ch in c["choices"]
+               for e in ((ch.get("logprobs") or {}).get("content") or [])]
+    assert entries and all(len(e["top_logprobs"]) == 20 for e in entries)
+    assert all(math.isfinite(e["logprob"]) and all(math.isfinite(a["logprob"])
+                                                    for a in e["top_logprobs"])
+               for e in entries)
+
+
 @pytest.mark.parametrize("extra, param, words", [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "t", "schema": {"type": "object", "required": "a"}}}},
-     "response_format", "invalid JSON schema at required"),
+     "response_format", "invalid JSON schema: Expected array for 'required'"),
     ({"structured_outputs": {"regex": "[a-z"}}, None, "unclosed character class"),
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, None, "missing_rule"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format",

@@ -76,3 +76,39 @@ def test_a_missing_or_looping_binary_is_a_clear_error(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-m", MODULE, "-v"], capture_output=True, text=True,
                          env={**os.environ, hws.REAL_BINARY_ENV: str(tmp_path / "nope")})
     assert out.returncode == 1 and out.stderr.startswith("stepstream-haproxy: "), out.stderr
+
+
+SERVE_LIKE_CONFIG = """global
+    maxconn 4096
+defaults
+    mode http
+    timeout client 3600s
+    timeout server 3600s
+frontend http
+    bind 127.0.0.1:8000
+"""
+
+
+def test_the_config_serve_wrote_gets_a_request_timeout_in_place(tmp_path):
+    """Serve leaves `timeout http-request` unset, so only an hour of inactivity
+    ended a client trickling its headers; the file keeps its path (Serve finds its
+    HAProxy by it on the command line) and a second start changes nothing more."""
+    fake = _fake(tmp_path)
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(SERVE_LIKE_CONFIG)
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-m", MODULE, "-db", "-f", str(config)],
+                              capture_output=True, text=True, timeout=30,
+                              env={**os.environ, hws.REAL_BINARY_ENV: str(fake)})
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split()[1:] == ["-dS", "-db", "-f", str(config)]
+    lines = config.read_text().splitlines()
+    assert lines.count(f"    timeout http-request {hws.HTTP_REQUEST_TIMEOUT_S}s") == 1
+    assert lines.index("defaults") + 1 == lines.index(
+        f"    timeout http-request {hws.HTTP_REQUEST_TIMEOUT_S}s")
+
+
+def test_a_config_with_its_own_request_timeout_is_left_alone():
+    config = SERVE_LIKE_CONFIG.replace("    mode http\n", "    mode http\n    timeout http-request 5s\n")
+    assert hws.with_request_timeout(config) == config
+    assert hws.with_request_timeout("global\n    maxconn 1\n") == "global\n    maxconn 1\n"

@@ -3,6 +3,7 @@ in windows and single steps, streamed and not; unconstrained neighbours are
 untouched; bad or too costly grammars are refused naming the problem."""
 import asyncio
 import json
+import math
 import random
 
 import jsonschema
@@ -233,3 +234,32 @@ def test_pipelined_host_copy_keeps_masks_on_the_previous_token():
     for out in outs[3:]:
         assert out.finish_reason == FinishReason.STOP
         jsonschema.validate(json.loads(out.text), SCHEMAS["enum"])
+
+
+def test_logprobs_of_a_constrained_row_are_the_models_own_and_finite():
+    """The grammar's mask sets forbidden logits to -inf; logprobs are taken before it
+    (the model's distribution, as for every other sampling parameter), so all 20
+    alternatives are finite, and the first token's are those of the same prompt
+    unconstrained."""
+    eng = AsyncEngine(EngineConfig(model="tiny", num_scheduler_steps=4))
+
+    async def first_tops(request_id, **extra):
+        params = SamplingParams(max_tokens=4, temperature=0, logprobs=20, **extra)
+        deltas = [d async for d in eng.generate(request_id, [5, 6, 7], params)]
+        tops = [alts for d in deltas for alts in (d.top_logprobs or [])]
+        lps = [lp for d in deltas for lp in (d.logprobs or [])]
+        return lps, tops
+
+    async def run():
+        constrained = await first_tops("c", structured_output={"choice": ["yes", "no"]})
+        free = await first_tops("f")
+        return constrained, free
+
+    try:
+        (lps, tops), (_, free_tops) = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    assert tops and all(len(alts) == 20 for alts in tops)
+    assert all(math.isfinite(lp) for lp in lps)
+    assert all(math.isfinite(lp) for alts in tops for _, lp in alts), tops
+    assert [t for t, _ in tops[0]] == [t for t, _ in free_tops[0]]
