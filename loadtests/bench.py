@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     if argv[:1] == ["ingress-chain"]:
         from loadtests import ingress_chain_cost
         return ingress_chain_cost.main(argv[1:])
+    if argv[:1] == ["noisy-neighbours"]:
+        from loadtests import noisy_neighbours
+        return noisy_neighbours.main(argv[1:])
     if argv[:1] == ["start-beside-busy"]:
         from loadtests import start_beside_busy
         return start_beside_busy.main(argv[1:])
