@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from loadtests import (bench, bench_engine, fake_server, gpu_check, http_floor,
-                       ingress_chain_cost, serving_matrix, serving_run, soak,
-                       start_beside_busy)
+                       ingress_chain_cost, noisy_neighbours, serving_matrix, serving_run,
+                       soak, start_beside_busy)
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "cluster/README.md", "RELIABILITY.md", "loadtests/README.md",
@@ -22,6 +22,8 @@ def _parse_bench(argv: list[str]):
         return http_floor.make_parser().parse_args(argv[1:])
     if argv[:1] == ["ingress-chain"]:
         return ingress_chain_cost.make_parser().parse_args(argv[1:])
+    if argv[:1] == ["noisy-neighbours"]:
+        return noisy_neighbours.make_parser().parse_args(argv[1:])
     if argv[:1] == ["start-beside-busy"]:
         return start_beside_busy.make_parser().parse_args(argv[1:])
     if argv[:1] and argv[0] in bench.MATRIX_MODES:
