@@ -40,10 +40,14 @@ from cluster.errors import replica_error
 from cluster.http_scheduling import batch_this_process
 from cluster.api.openai_events import SSE_HEADERS, ChatFormatter, CompletionFormatter, TokenLabels
 from cluster.api.pending_gate import RETRY_AFTER_S, PendingGate
+from cluster.api.tools.formats import probe_template
+from cluster.api.tools.grammar import call_schema, tool_grammar
+from cluster.api.tools.prompt import chat_for_template
+from cluster.api.tools.stream import ToolAnswers
 from cluster.api.response_writer import SSEResponse, abort_all, json_answer, sse_events
 from replicas.config import InvalidValue, SamplingParams  # plain data: no torch
 from replicas.request_validation import RequestLimits
-from replicas.sampling.grammar_text import GrammarChecks, LanesBusy  # torch-free
+from replicas.sampling.grammar_text import GrammarChecks, LanesBusy, checked_grammar_text
 from deltas.text_stream import TextStream
 
 logger = logging.getLogger("ray.serve")
@@ -240,6 +244,21 @@ def _prompt_chars(req, chat: bool) -> list[int]:
     return [len(p) if isinstance(p, str) else 0 for p in req.prompts]
 
 
+def _bad_tool(req, fmt) -> tuple[str, str] | None:
+    """(message, param) naming the first tool whose `parameters` the grammar engine
+    refuses; None where each is accepted alone."""
+    for index, tool in enumerate(req.tools):
+        function = tool.function
+        try:
+            checked_grammar_text({"json": call_schema(function.name, function.parameters, fmt)})
+        except InvalidValue as e:
+            detail = str(e).split(": ", 1)[-1]
+            param = f"tools.{index}.function.parameters"
+            return f"Invalid value for '{param}': not a JSON schema the server can hold " \
+                   f"arguments to: {detail}", param
+    return None
+
+
 def _max_token_chars(tokenizer) -> int | None:
     """The most characters one token can stand for (None: unknown)."""
     table = tokenizer.byte_table
@@ -352,6 +371,10 @@ class Ingress:
         self._token_labels = TokenLabels.of_tokenizer(self._tokenizer)
         self._max_token_chars = _max_token_chars(self._tokenizer)
         self._developer_role = developer_role(self._tokenizer)
+        # NOTE: once: does the template render tools, and in which form do its calls come
+        self._template_tools = probe_template(
+            lambda messages, tools: self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=False, tools=tools))
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
         self._request_timeout_s = request_timeout_s
@@ -440,6 +463,8 @@ class Ingress:
                 raise ApiError(404, f"The model '{req.model}' does not exist; this server "
                                f"serves '{self._served_model_name}'", param="model",
                                code="model_not_found")
+            if chat and req.calls_tools:
+                req.with_tool_grammar(await self._tool_grammar(req, len(body)))
             params = _sampling_params(req)
             if params.structured_output is not None:
                 params = await self._check_grammar(req, params, len(body))
@@ -475,18 +500,31 @@ class Ingress:
         formatter = formatter_cls(request_id, self._served_model_name, int(time.time()),
                                   include_usage=req.include_usage)
         labels = self._token_labels if params.logprobs is not None else None
+        tool_answers = None
+        if chat and req.calls_tools:
+            tool_answers = ToolAnswers(self._template_tools.format,
+                                       named=req.tool_choice_name not in ("auto", "required"))
         if req.stream:
             choice_prompt_tokens = ([len(p) for p in prompts for _ in range(req.n)]
                                     if req.continuous_usage else None)
             events = sse_events(relays, formatter, chat, labels, self._metrics, started_at,
-                                num_prompt_tokens, choice_prompt_tokens)
+                                num_prompt_tokens, choice_prompt_tokens, tool_answers)
             return SSEResponse(events, media_type="text/event-stream",
                                headers={**SSE_HEADERS, **timing},
                                on_end=lambda: abort_all(relays))
         return JSONResponse(await json_answer(relays, runs.open_again, formatter, chat,
                                               labels, num_prompt_tokens,
-                                              metrics=self._metrics),
+                                              metrics=self._metrics, tool_answers=tool_answers),
                             headers=timing)
+
+    async def _tool_grammar(self, req, size: int) -> str:
+        """The grammar of the calls `req` may make, in the template's format (off the
+        event loop for a large request: it holds every tool's schema)."""
+        args = (req.template_tools(), self._template_tools.format)
+        kwargs = {"choice": req.tool_choice_name, "parallel": req.parallel_tool_calls}
+        if size <= INLINE_TOKENIZE_CHARS:
+            return tool_grammar(*args, **kwargs)
+        return await asyncio.to_thread(tool_grammar, *args, **kwargs)
 
     async def _check_grammar(self, req, params: SamplingParams, size: int) -> SamplingParams:
         """`params` with its structured output as the checked grammar text engines
@@ -495,6 +533,10 @@ class Ingress:
         try:
             checked = await self._grammar_checks.checked(params.structured_output, size)
         except InvalidValue as e:
+            if getattr(req, "calls_tools", False):
+                bad = await asyncio.to_thread(_bad_tool, req, self._template_tools.format)
+                if bad is not None:
+                    raise bad_request(*bad) from None
             sent = req.field_sent_for(e.param)
             raise _bad_value(InvalidValue(str(e).replace(f"{e.param} ", f"{sent} ", 1),
                                           sent, e.code)) from None
@@ -528,10 +570,11 @@ class Ingress:
         """The token ids of each prompt: chat's one, or a completions batch's."""
         if chat:
             try:
-                messages = req.template_messages(self._developer_role)
+                messages, tools = chat_for_template(req.template_messages(self._developer_role),
+                                                    req.template_tools(), self._template_tools)
                 # NOTE: special-token text in the messages stays text: a user cannot forge a turn
                 return [self._tokenizer.encode_chat(
-                    messages, add_generation_prompt=req.add_generation_prompt)]
+                    messages, add_generation_prompt=req.add_generation_prompt, tools=tools)]
             except Exception as e:
                 raise bad_request(f"Could not apply the chat template: {e}", "messages") from None
         return [self._tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str)

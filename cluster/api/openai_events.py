@@ -124,10 +124,24 @@ class ChatFormatter(_Formatter):
         return self._choice_event(index, f'"delta":{delta}', finish_reason, logprobs,
                                   stop_reason, usage)
 
+    def delta_event(self, index: int, delta: dict, finish_reason: str | None = None,
+                    logprobs: dict | None = None, stop_reason=None,
+                    usage: tuple[int, int] | None = None) -> bytes:
+        """A chunk whose `delta` holds `delta`'s fields (content and/or tool_calls:
+        cluster/api/tools/stream.py); the role rides on each choice's first."""
+        if index not in self._role_sent_to:
+            self._role_sent_to.add(index)
+            delta = {"role": "assistant", "content": delta.get("content"), **delta}
+        return self._choice_event(index, f'"delta":{_dumps(delta)}', finish_reason, logprobs,
+                                  stop_reason, usage)
+
     @staticmethod
-    def choice(index: int, text: str, finish_reason: str | None, stop_reason,
-               logprobs: dict | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
+    def choice(index: int, text: str | None, finish_reason: str | None, stop_reason,
+               logprobs: dict | None, tool_calls: list[dict] | None = None) -> dict:
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message,
                 "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
 
 # NOTE: plain data: no torch
 from replicas.config import STRUCTURED_OUTPUT_KEYS, InvalidValue, SamplingParams
@@ -299,11 +300,64 @@ class TextPart(BaseModel):
     text: str
 
 
+# As OpenAI names functions
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; none: no arguments
+    # NOTE: the arguments are held to the schema whether strict is true or not
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not _TOOL_NAME.fullmatch(name):
+            raise ValueError("a function's name must be 1 to 64 letters, digits, '_' or '-'")
+        return name
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     @model_validator(mode="after")
     def _content_given(self):
@@ -312,6 +366,11 @@ class ChatMessage(BaseModel):
         # an empty message
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message may hold tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id (the call it answers), and "
+                             "only a tool message may hold one")
         return self
 
     def text(self) -> str:
@@ -328,6 +387,74 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+    # the grammar of the calls the request may make (cluster/api/tools/grammar.py):
+    # it depends on the chat template's format, which the ingress knows
+    _tool_grammar: str | None = PrivateAttr(None)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools):
+        if tools is None:
+            return tools
+        if not 1 <= len(tools) <= MAX_TOOLS:
+            raise ValueError(f"tools must hold 1 to {MAX_TOOLS} tools (leave it out for none)")
+        names = [t.function.name for t in tools]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:
+            raise ValueError(f"the function name {twice!r} is given twice")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info: ValidationInfo):
+        if choice is None:
+            return choice
+        # NOTE: tools is declared (and checked) before tool_choice; absent if it failed
+        tools = info.data.get("tools")
+        if not tools:
+            raise ValueError("tool_choice is only allowed when tools are given")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in tools]
+            if choice.function.name not in names:
+                raise ValueError(f"the function {choice.function.name[:64]!r} is not one of "
+                                 f"the tools ({', '.join(names[:8])}{' ...' if len(names) > 8 else ''})")
+        return choice
+
+    @property
+    def tool_choice_name(self) -> str | None:
+        """What the request asks of its tools: "none", "auto", "required", or the
+        named function's name; None without tools. OpenAI's default: "auto" with
+        tools."""
+        if not self.tools:
+            return None
+        if self.tool_choice is None:
+            return "auto"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice
+
+    @property
+    def calls_tools(self) -> bool:
+        """The model may call the tools (and its answer is parsed for calls)."""
+        return self.tool_choice_name not in (None, "none")
+
+    def with_tool_grammar(self, grammar: str | None) -> "ChatCompletionRequest":
+        self._tool_grammar = grammar
+        return self
+
+    def _structured_output(self) -> dict | None:
+        if not self.calls_tools:
+            return super()._structured_output()
+        fmt = self.response_format
+        if (fmt is not None and fmt.type != "text") or self.structured_outputs is not None:
+            raise InvalidValue("tools the model may call cannot be combined with "
+                               "response_format or structured_outputs (both decide the "
+                               "answer's form); send tool_choice \"none\" or leave one out",
+                               "structured_output")
+        return None if self._tool_grammar is None else {"grammar": self._tool_grammar}
 
     @field_validator("top_logprobs")
     @classmethod
@@ -350,6 +477,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def field_sent_for(self, engine_field: str | None) -> str | None:
         """The request's field that an engine field named in an error came from."""
+        if engine_field == "structured_output" and self.calls_tools:
+            return "tool_choice" if self.tool_choice is not None else "tools"
         if engine_field == "logprobs":
             return "top_logprobs"
         if engine_field == "max_tokens" and self.max_completion_tokens is not None:
@@ -359,9 +488,24 @@ class ChatCompletionRequest(_SamplingFields):
     def template_messages(self, developer_role: str = "system") -> list[dict]:
         """The messages for the chat template. A `developer` message takes the
         system prompt's place, as in the OpenAI API (`developer_role`: the role a
-        template that knows none named "developer" gets it as)."""
-        return [{"role": developer_role if m.role == "developer" else m.role,
-                 "content": m.text()} for m in self.messages]
+        template that knows none named "developer" gets it as). Past calls and tool
+        results keep their fields (cluster/api/tools/prompt.py renders them)."""
+        messages = []
+        for m in self.messages:
+            message = {"role": developer_role if m.role == "developer" else m.role,
+                       "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        return messages
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the model is shown: none with tool_choice "none"."""
+        if not self.calls_tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 _UNPAIRED_SURROGATE = (" (\\uD800-\\uDFFF escapes come in pairs, a \\uD800-\\uDBFF then a"

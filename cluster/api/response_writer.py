@@ -161,7 +161,8 @@ def abort_all(relays: list[Relay]) -> None:
 
 async def sse_events(relays: list[Relay], formatter, chat: bool, labels: TokenLabels | None,
                      metrics, started_at: float, num_prompt_tokens: int,
-                     choice_prompt_tokens: list[int] | None = None) -> AsyncIterator[bytes]:
+                     choice_prompt_tokens: list[int] | None = None,
+                     tool_answers=None) -> AsyncIterator[bytes]:
     """The events of the request whose choices `relays` read (one per choice);
     usage counts each prompt once (`num_prompt_tokens`) and every choice's output
     tokens. Each item is one write: one step's chunk of one choice, or the `StreamEnd`.
@@ -170,8 +171,11 @@ async def sse_events(relays: list[Relay], formatter, chat: bool, labels: TokenLa
 
     NOTE: each choice has its own ITL and TPOT; the first choice's first token is
     the request's (its prompt's other choices are admitted once it came:
-    cluster/api/choices.py)."""
+    cluster/api/choices.py). `tool_answers` (cluster/api/tools/stream.py): each
+    choice's text is parsed for tool calls, one parser per choice, and its chunks
+    carry content and tool-call deltas."""
     timings = [_Timing(metrics, started_at if i == 0 else None) for i in range(len(relays))]
+    tool_streams = None if tool_answers is None else [tool_answers.stream() for _ in relays]
     text_offsets = [0] * len(relays)
     num_output_tokens = [0] * len(relays)
     num_unfinished = len(relays)
@@ -189,7 +193,22 @@ async def sse_events(relays: list[Relay], formatter, chat: bool, labels: TokenLa
                 text_offsets[i] += len(td.text)
                 num_output_tokens[i] = td.num_output_tokens
                 num_unfinished -= td.finish_reason is not None
-                if td.text or td.finish_reason is not None or logprobs is not None:
+                if tool_streams is not None:
+                    delta = tool_streams[i].feed(td.text, td.finish_reason is not None)
+                    if not (delta or td.finish_reason is not None or logprobs is not None):
+                        continue
+                    usage = (None if choice_prompt_tokens is None else
+                             (choice_prompt_tokens[i], td.num_output_tokens))
+                    finish = tool_answers.finish_reason(_finish_reason(td),
+                                                        tool_streams[i].made_calls)
+                    event = formatter.delta_event(i, delta, finish, logprobs, td.stop_reason,
+                                                  usage)
+                    timings[i].event()
+                    if num_unfinished:
+                        yield event
+                    else:
+                        last_event = event
+                elif td.text or td.finish_reason is not None or logprobs is not None:
                     usage = (None if choice_prompt_tokens is None else
                              (choice_prompt_tokens[i], td.num_output_tokens))
                     event = formatter.chunk_event(td.text, _finish_reason(td), logprobs,
@@ -235,19 +254,25 @@ class _ChoiceText:
             self.top_logprobs.extend(td.top_logprobs or [])
         self.last = td
 
-    def choice(self, index: int, formatter, chat: bool, labels: TokenLabels | None) -> dict:
+    def choice(self, index: int, formatter, chat: bool, labels: TokenLabels | None,
+               tool_answers=None) -> dict:
         last = self.last
         lp = None
         if labels is not None:
             lp = _logprobs(self.token_ids, self.logprobs, self.top_logprobs or None, chat,
                            labels, 0)
+        if tool_answers is not None:
+            content, calls = tool_answers.message("".join(self.texts))
+            return formatter.choice(index, content,
+                                    tool_answers.finish_reason(_finish_reason(last), bool(calls)),
+                                    last.stop_reason, lp, calls)
         return formatter.choice(index, "".join(self.texts), _finish_reason(last),
                                 last.stop_reason, lp)
 
 
 async def json_answer(relays: list[Relay], reopen: Callable[[int], Awaitable[list[Relay]]],
                       formatter, chat: bool, labels: TokenLabels | None,
-                      num_prompt_tokens: int, metrics=None) -> dict:
+                      num_prompt_tokens: int, metrics=None, tool_answers=None) -> dict:
     """The body of the request whose choices `relays` read; where a replica is lost
     mid-answer, `reopen(run)` opens the choices again (run 1, ...: its relays get no
     retry after a lost replica) and they answer. A request whose choices already
@@ -257,7 +282,7 @@ async def json_answer(relays: list[Relay], reopen: Callable[[int], Awaitable[lis
                       and not any(relay.num_replica_losses for relay in relays))
         try:
             return await json_body(relays, formatter, chat, labels, num_prompt_tokens,
-                                   metrics, retry_lost=retry_lost)
+                                   metrics, retry_lost=retry_lost, tool_answers=tool_answers)
         except AnswerLost:
             logger.warning("an engine replica was lost while answering %s: running it again",
                            relays[0].request_id)
@@ -270,7 +295,8 @@ async def json_answer(relays: list[Relay], reopen: Callable[[int], Awaitable[lis
 
 
 async def json_body(relays: list[Relay], formatter, chat: bool, labels: TokenLabels | None,
-                    num_prompt_tokens: int, metrics=None, retry_lost: bool = False) -> dict:
+                    num_prompt_tokens: int, metrics=None, retry_lost: bool = False,
+                    tool_answers=None) -> dict:
     """The body of the request whose choices `relays` read (one per choice).
     `retry_lost`: a replica lost mid-answer raises `AnswerLost` (and counts no
     tokens: the run that answers does), not its 503."""
@@ -293,6 +319,6 @@ async def json_body(relays: list[Relay], formatter, chat: bool, labels: TokenLab
             num_output_tokens = (sum(c.last.num_output_tokens for c in choices)
                                  if answered else 0)
             count_tokens(metrics, num_prompt_tokens, num_output_tokens)
-    return formatter.response_of([c.choice(i, formatter, chat, labels)
+    return formatter.response_of([c.choice(i, formatter, chat, labels, tool_answers)
                                   for i, c in enumerate(choices)],
                                  num_prompt_tokens, num_output_tokens)

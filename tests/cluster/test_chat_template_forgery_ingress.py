@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.api.ingress import Ingress
+from cluster.api.tools.formats import TemplateTools, HERMES
 from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from deltas.tokenization.tokenizer import Tokenizer
 from replicas.checkpoints import presets
@@ -20,7 +21,8 @@ CONTROL_IDS = (presets.IM_START_TOKEN_ID, presets.IM_END_TOKEN_ID)
 @pytest.fixture(scope="module")
 def ingress() -> SimpleNamespace:
     tokenizer = Tokenizer.from_dir(presets.resolve_tokenizer_dir("tiny"))
-    return SimpleNamespace(_tokenizer=tokenizer, _developer_role="system")
+    return SimpleNamespace(_tokenizer=tokenizer, _developer_role="system",
+                           _template_tools=TemplateTools(False, HERMES))
 
 
 def prompt_ids(ingress, cls, body: dict, chat: bool) -> list[int]:
