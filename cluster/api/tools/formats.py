@@ -69,7 +69,7 @@ def probe_template(render) -> TemplateTools:
     if _PROBE_NAME not in shown:
         return TemplateTools(False, HERMES)
     try:
-        history = render([user, {"role": "assistant", "content": None,
+        history = render([user, {"role": "assistant", "content": "",
                                  "tool_calls": [_PROBE_CALL]}], [_PROBE_TOOL])
     except Exception:
         return TemplateTools(False, HERMES)
