@@ -113,10 +113,10 @@ def test_a_template_without_tools_gets_them_in_a_system_prompt_and_a_history_it_
     assert json.dumps(WEATHER) in prompt
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Oslo", "days": 1}}\n</tool_call><|im_end|>') in prompt
-    assert "<|im_start|>user\n<tool_response>\nrain, 9 C\n</tool_response><|im_end|>" in prompt
+    assert "<|im_start|>user\nget_weather returned: rain, 9 C<|im_end|>" in prompt
     # tool_choice none: the model is shown no tools, the past call still renders
     none = _prompt(None, {"messages": HISTORY, "tools": [WEATHER], "tool_choice": "none"})
-    assert "You can call functions" not in none and "<tool_response>" in none
+    assert "You can call functions" not in none and "get_weather returned" in none
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ arguments as JSON objects, as such templates expect) and `tool` messages. A
 template that knows no tools (the trained preset's ChatML) gets the tools in a
 system prompt written here, teaching the `<tool_call>` form, and a history it can
 render: an assistant's calls as its text in that form, tool results as a user turn
-in `<tool_response>` tags (consecutive results in one turn).
+naming the function that returned each (consecutive results in one turn).
 
 `tool_choice: "none"` shows the model no tools (a past call still renders).
 """
@@ -25,7 +25,7 @@ To call a function, answer with a JSON object holding its name and its arguments
 <tool_call>
 {{"name": <function name>, "arguments": <the arguments as a JSON object>}}
 </tool_call>
-Each result comes back inside <tool_response></tool_response> tags."""
+A function's result comes back in a user turn that names it; then answer the user in plain words."""
 
 
 def chat_for_template(messages: list[dict], tools: list[dict] | None,
@@ -37,9 +37,11 @@ def chat_for_template(messages: list[dict], tools: list[dict] | None,
     if template.renders_tools:
         return [_native(m) for m in messages], tools
     rendered: list[dict] = []
+    names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or ()}
     for m in messages:
         if m["role"] == "tool":
-            text = f"<tool_response>\n{m['content']}\n</tool_response>"
+            name = names.get(m["tool_call_id"], "the function")
+            text = f"{name} returned: {m['content']}"
             if rendered and rendered[-1].get("_tool_results"):
                 rendered[-1]["content"] += "\n" + text
             else:
