@@ -32,7 +32,7 @@ ignore_eos, 128-token prompts unless said):
   (loadtests/wire_cost.py; no engine, no model).
 - `--structured`: 200 streams, every fourth held to a JSON schema, beside the same
   requests with no constrained neighbours, and the grammar engine's cost per token
-  (loadtests/structured_outputs.py).
+  (loadtests/structured_outputs.py); `--constraint tools`: required tool calls instead.
 - `--accuracy`: each `--quantizations` mode's perplexity on a shipped text and its
   top-1 agreement with `none` (`--dtype`; loadtests/quant_accuracy.py);
 - `--paths`: decode tok/s at each `--concurrency` with every quantized layer on each
@@ -284,6 +284,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--samples", type=int, default=30, help="--wire: timed samples per format")
     ap.add_argument("--constrained-every", type=int, default=4,
                     help="--structured: every this many streams carries a JSON schema")
+    ap.add_argument("--constraint", default="json", choices=("json", "tools"),
+                    help="--structured: what the constrained streams are held to: a JSON "
+                         "schema, or a required tool call (chat's tool grammar)")
     ap.add_argument("--quantizations", nargs="+", default=["none", "auto", "int8", "int4"],
                     help="--accuracy: the modes, each against none")
     ap.add_argument("--dtype", default=None,
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
     elif mode == "structured":
         from loadtests.structured_outputs import report
         result = {f"{m} c={c}": report(m, c, args.constrained_every, args.input_len,
-                                       args.output_len, args.repeats)
+                                       args.output_len, args.repeats, args.constraint)
                   for m in args.models for c in args.concurrency}
     elif mode == "roofline":
         from loadtests.gemm_roofline import report

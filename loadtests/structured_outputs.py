@@ -8,6 +8,9 @@ Side by side in one run, interleaved round by round (`--repeats`), medians:
 - `unconstrained`: the same requests with no constrained neighbours: the
   constrained ones run unconstrained (same temperature and seed) for as many
   tokens as they made in `mixed`.
+With `--constraint tools` the constrained streams are tool calls instead: chat's
+`tool_choice: "required"` grammar (cluster/api/tools/grammar.py, the `<tool_call>`
+form) over two tools, one call each, its arguments held to the tool's schema.
 Reported: output throughput and median TPOT of the unconstrained streams in each,
 the constrained streams' median TPOT, how many constrained outputs validate, and
 the grammar engine's cost per token (mask, and feeding the sampled token), replayed
@@ -32,6 +35,44 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"]
                              "ok": {"type": "boolean"}}}}}}
 
 
+TOOLS = [{"type": "function", "function": {"name": "search_orders", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["customer", "items"],
+    "properties": {"customer": {"type": "integer", "minimum": 0, "maximum": 99999},
+                   "status": {"enum": ["open", "shipped", "returned"]},
+                   "items": {"type": "array", "minItems": 2, "maxItems": 6,
+                             "items": {"type": "string", "maxLength": 12}}}}}},
+         {"type": "function", "function": {"name": "now", "parameters": {
+             "type": "object", "properties": {}, "additionalProperties": False}}}]
+
+
+def constraint_spec(constraint: str) -> dict:
+    """The structured output the constrained streams carry."""
+    if constraint == "json":
+        return {"json": SCHEMA}
+    from cluster.api.tools.formats import HERMES
+    from cluster.api.tools.grammar import tool_grammar
+    return {"grammar": tool_grammar(TOOLS, HERMES, choice="required", parallel=False)}
+
+
+def is_valid(text: str, constraint: str) -> bool:
+    """A constrained output parses and validates against its schema."""
+    import jsonschema
+    try:
+        if constraint == "json":
+            jsonschema.validate(json.loads(text), SCHEMA)
+            return True
+        from cluster.api.tools.formats import HERMES
+        from cluster.api.tools.stream import tool_message
+        content, calls = tool_message(text, HERMES)
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                schemas[call["function"]["name"]])
+        return content is None and len(calls) == 1
+    except (ValueError, KeyError, jsonschema.ValidationError):
+        return False
+
+
 def _group_row(timelines) -> dict:
     start = min(t.send_time for t in timelines)
     end = max(t.chunk_times[-1] for t in timelines if t.chunk_times)
@@ -47,14 +88,14 @@ def _run(engine, sessions, tag: str) -> list:
     return [ts[0] for ts in timelines]
 
 
-def _mask_cost_us(engine, outputs: list[list[int]]) -> tuple[float, float]:
+def _mask_cost_us(engine, outputs: list[list[int]], spec: dict) -> tuple[float, float]:
     """(mask us per token, feed us per token), one thread, replaying each output."""
     import llguidance.torch as llt
     mask_s = feed_s = 0.0
     n = 0
     bitmask = llt.allocate_token_bitmask(1, engine.core.vocab_size)
     for ids in outputs:
-        g = engine.core.grammars.compile({"json": SCHEMA}).matcher
+        g = engine.core.grammars.compile(spec).matcher
         for token in ids:
             t0 = time.perf_counter()
             llt.fill_next_token_bitmask(g, bitmask, 0)
@@ -70,10 +111,8 @@ NUM_SCHEDULER_STEPS = 8
 
 
 def report(model: str, num_streams: int, constrained_every: int, input_len: int,
-           output_len: int, repeats: int) -> dict:
+           output_len: int, repeats: int, constraint: str = "json") -> dict:
     """Run both workloads `repeats` times, print the table and the grammar cost."""
-    import jsonschema
-
     from deltas.tokenization.tokenizer import Tokenizer
     from replicas.async_engine import AsyncEngine
 
@@ -81,8 +120,9 @@ def report(model: str, num_streams: int, constrained_every: int, input_len: int,
     is_constrained = [i % constrained_every == constrained_every - 1
                       for i in range(num_streams)]
     free = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    spec = constraint_spec(constraint)
     mixed = [[(p, SamplingParams(temperature=1.0, seed=i, max_tokens=2 * output_len,
-                                 structured_output={"json": SCHEMA}) if c else free)]
+                                 structured_output=spec) if c else free)]
              for i, (p, c) in enumerate(zip(prompts, is_constrained))]
     engine = AsyncEngine(engine_config(model, num_scheduler_steps=NUM_SCHEDULER_STEPS))
     tokenizer = Tokenizer.from_dir(engine.core.model_dir)
@@ -122,16 +162,11 @@ def report(model: str, num_streams: int, constrained_every: int, input_len: int,
         constrained_ids = asyncio.run(texts())
     finally:
         engine.shutdown()
-    num_valid = 0
-    for ids in constrained_ids:
-        try:
-            jsonschema.validate(json.loads(tokenizer.decode(ids)), SCHEMA)
-            num_valid += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
+    num_valid = sum(is_valid(tokenizer.decode(ids), constraint) for ids in constrained_ids)
     table = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
              for name, rs in rows.items()}
-    print(f"{num_streams} streams, every {constrained_every}th with a JSON schema, "
+    what = "a JSON schema" if constraint == "json" else "a required tool call"
+    print(f"{num_streams} streams, every {constrained_every}th with {what}, "
           f"{input_len} in / {output_len} out, N={NUM_SCHEDULER_STEPS}, "
           f"{model}, medians of {repeats}")
     print(format_table(table, [("free_tok_s", "unconstrained streams tok/s", ".0f"),
@@ -144,7 +179,7 @@ def report(model: str, num_streams: int, constrained_every: int, input_len: int,
     print(f"constrained TPOT / unconstrained TPOT (mixed run): "
           f"{m['other_tpot_ms'] / m['free_tpot_ms']:.3f}")
     print(f"constrained outputs that parse and validate: {num_valid}/{len(constrained_ids)}")
-    mask_us, feed_us = _mask_cost_us(engine, constrained_ids)
+    mask_us, feed_us = _mask_cost_us(engine, constrained_ids, spec)
     print(f"llguidance per token, one thread: mask {mask_us:.1f} us, feed token {feed_us:.1f} us")
     return {"runs": table, "num_valid": num_valid, "num_constrained": len(constrained_ids),
             "mask_us_per_token": mask_us, "feed_us_per_token": feed_us}
