@@ -283,6 +283,9 @@ class EngineConfig:
     # Reuse the K/V of full blocks of earlier prompts (shared system prompts, chat
     # turns); cached blocks stay until free blocks run out.
     enable_prefix_caching: bool = True
+    # Ranks the model is split over (replicas/tensor_parallel/): one device each on
+    # GPU, `num_threads` cores each on CPU; rank 0 schedules and samples.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model",
@@ -318,6 +321,8 @@ class EngineConfig:
         _check(self.attention_backend in ATTENTION_BACKENDS,
                "attention_backend", f"one of {', '.join(ATTENTION_BACKENDS)}",
                self.attention_backend)
+        _check(_is_int(self.tensor_parallel_size) and 1 <= self.tensor_parallel_size <= 64,
+               "tensor_parallel_size", "an integer in [1, 64]", self.tensor_parallel_size)
         for name in ("max_waiting_requests", "max_waiting_prompt_tokens", "num_threads"):
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and v >= 1), name, "null or an integer >= 1", v)

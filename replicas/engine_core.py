@@ -241,3 +241,4 @@ class EngineCore:
         self.output.shutdown()
         if self.step_threads is not None:
             self.step_threads.close()
+        self.runner.shutdown()

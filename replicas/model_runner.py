@@ -51,7 +51,7 @@ class StepInputs:
     sampled_rows: list[Request]
 
 
-def _select_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+def select_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
     try:
         from replicas.attention.selector import select_attention_backend
     except ImportError:
@@ -74,10 +74,18 @@ class ModelRunner:
                                 max_model_len + config.num_scheduler_steps + 1,
                                 quantization=config.quantization)
         self.weight_kinds = weight_kinds(self.model, config.quantization)
-        self.weight_bytes = weight_bytes(self.model)
+        # the KV cache's shape: this rank's heads (all of them with one rank)
+        self.local_model_config = self.model_config
+        if config.tensor_parallel_size > 1:
+            from replicas.tensor_parallel.rank_zero import RankZeroModel
+            from replicas.tensor_parallel.shard import local_model_config
+            self.model = RankZeroModel(self.model, config, model_dir, max_model_len)
+            self.local_model_config = local_model_config(self.model_config, self.model.layout)
+        # NOTE: this rank's weights
+        self.weight_bytes = weight_bytes(self._module)
         logger.info("weights: %s, %.0f MB", self.weight_kinds, self.weight_bytes / 1e6)
         if self.device.type == "cpu":
-            pack_linears(self.model, batch_size_hint=min(config.max_num_seqs, 256))
+            pack_linears(self._module, batch_size_hint=min(config.max_num_seqs, 256))
             # NOTE: built (or read from the cache) here, not in the first request's step
             load_first_max()
             if config.dtype == "bfloat16":
@@ -85,9 +93,9 @@ class ModelRunner:
         elif self.device.type == "cuda" and config.dtype in ("bfloat16", "float16"):
             # NOTE: compiled and checked here, before the memory profile and graph capture
             cuda_layer_ops(self.device, getattr(torch, config.dtype))
-        self.backend = _select_backend(config, self.device)
+        self.backend = select_backend(config, self.device)
         logger.info("attention backend: %s", self.backend.name)
-        mc = self.model_config
+        mc = self.local_model_config
         # CUDA: the KV cache gets the memory left after the weights and the largest
         # step (replicas/kv_cache/kv_budget.py); CPU: kv_cache_gib, or a default
         # bounded by the host memory still free.
@@ -99,6 +107,8 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(config, mc, max_model_len, device_memory, host_available)
         self.kv_caches = allocate_kv_caches(self.num_blocks, self.block_size, mc,
                                             getattr(torch, config.dtype), self.device)
+        if config.tensor_parallel_size > 1:
+            self.model.start_caches(self.num_blocks)
         kv_gib = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / GIB
         if device_memory is not None:
             logger.info("KV cache: %d blocks, %.2f GiB (gpu_memory_utilization %g of %.2f GiB, "
@@ -111,9 +121,10 @@ class ModelRunner:
                         "unknown" if host_available is None else f"{host_available / GIB:.1f}")
         # CUDA only: decode steps replay captured graphs (None elsewhere), and each
         # step's host copy overlaps the next step (see execute).
-        self.decode_graphs = build_decode_graphs(config, self.model, self.kv_caches, self.backend,
-                                                 mc.num_kv_heads, mc.vocab_size, self.device,
-                                                 max_model_len)
+        # NOTE: not with several ranks: a graph would replay their collectives unplanned
+        self.decode_graphs = (None if config.tensor_parallel_size > 1 else build_decode_graphs(
+            config, self.model, self.kv_caches, self.backend, mc.num_kv_heads, mc.vocab_size,
+            self.device, max_model_len))
         self.pipelined_host_copy = self.device.type == "cuda"
         # NOTE: CPU, below float32: the lm-head's output widens into this buffer, reused
         # step after step (a step's logits are sampled before the next forward). A fresh
@@ -121,6 +132,17 @@ class ModelRunner:
         # the copy itself.
         self._float_logits = (torch.empty(0) if self.device.type == "cpu"
                               and config.dtype != "float32" else None)
+
+    @property
+    def _module(self) -> torch.nn.Module:
+        """The model's own module (rank 0's shard with several ranks)."""
+        return getattr(self.model, "model", self.model)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks, where there are any."""
+        stop = getattr(self.model, "stop", None)
+        if stop is not None:
+            stop()
 
     # -- inputs ---------------------------------------------------------------
     def _block_table_tensor(self, reqs: list[Request]) -> torch.Tensor:

@@ -38,7 +38,14 @@ class ResolvedModel:
 def resolve_model(config: EngineConfig) -> ResolvedModel:
     model_dir = ensure_model_dir(config.model)
     dtype, _ = resolve_dtype(config.dtype, config.device, model_dir)
-    quantization, _ = resolve_quantization(config.quantization, config.device, model_dir)
+    requested = config.quantization
+    if config.tensor_parallel_size > 1:
+        # NOTE: the split runs float weights: a GGUF file is dequantized at load
+        if requested not in ("auto", "none"):
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} runs float "
+                             f"weights: quantization {requested} cannot be split (use auto or none)")
+        requested = "none"
+    quantization, _ = resolve_quantization(requested, config.device, model_dir)
     config = dataclasses.replace(config, dtype=dtype, quantization=quantization)
     model_config = ModelConfig.from_dir(model_dir)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
