@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable
+from typing import Literal, Any, Callable
 
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from ray.serve import Application
@@ -58,7 +58,11 @@ class AppArgs(EngineArgs):
         8, ge=0, description="see prefix_routing_tokens")
     # Deployments.
     num_engine_replicas: int = Field(1, ge=1, description="engine replicas (or autoscaling)")
-    engine_num_cpus: float = Field(1.0, ge=0.0, description="CPUs per engine replica")
+    placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "PACK", description="with tensor_parallel_size > 1: how an engine replica's ranks "
+        "(one bundle each) are placed; STRICT_PACK keeps them on one node")
+    engine_num_cpus: float = Field(1.0, ge=0.0, description="CPUs per engine replica (per rank "
+                                   "with tensor_parallel_size > 1)")
     engine_num_gpus: float = Field(
         0.0, ge=0.0, description="GPUs per engine replica; > 0 makes the default device cuda")
     autoscaling: dict[str, Any] | None = Field(
@@ -251,6 +255,7 @@ class AppArgs(EngineArgs):
         if self.engine_resources:
             actor["resources"] = dict(self.engine_resources)
         options = {"ray_actor_options": actor, "max_ongoing_requests": max_ongoing,
+                   **self.rank_placement(actor),
                    "request_router_config": RequestRouterConfig(
                        request_router_class=ROUTER_PATH,
                        request_router_kwargs=self.router_kwargs()),
@@ -264,6 +269,21 @@ class AppArgs(EngineArgs):
         else:
             options["num_replicas"] = self.num_engine_replicas
         return options
+
+    def rank_placement(self, actor: dict) -> dict:
+        """With tensor_parallel_size N > 1, each engine replica asks Serve for a
+        placement group of N bundles, one per rank (the replica itself, rank 0, in the
+        first), each with the replica's CPUs and GPUs: PACK, so a replica's ranks share
+        a node where they fit and spill to others where not. A replica whose group
+        cannot be placed stays pending in Serve (its status says so)."""
+        if self.tensor_parallel_size <= 1:
+            return {}
+        bundle = {"CPU": actor["num_cpus"]}
+        if actor.get("num_gpus"):
+            bundle["GPU"] = actor["num_gpus"]
+        bundle.update(actor.get("resources") or {})
+        return {"placement_group_bundles": [dict(bundle) for _ in range(self.tensor_parallel_size)],
+                "placement_group_strategy": self.placement_group_strategy}
 
     def router_kwargs(self) -> dict:
         """`cluster.transport.routing.PinnedRouter.initialize_state`'s arguments."""

@@ -57,6 +57,10 @@ _HELP = {
                             "null: unbounded",
     "max_waiting_prompt_tokens": "engine queue bound on prompt tokens waiting (429 past it); "
                                  "null: unbounded",
+    "tensor_parallel_size": "ranks each engine replica splits the model over (tensor "
+                            "parallelism: one GPU each, or engine_num_cpus each on CPU; a "
+                            "placement group of one bundle per rank); rank 0 schedules and "
+                            "samples; float weights (a GGUF file is dequantized)",
     "num_threads": "torch threads per engine replica; null: engine_num_cpus (at least 1) on "
                    "CPU, torch's own on CUDA",
     "quantization": "auto: a GGUF file's quantized matrices run as stored on CPU, other "

@@ -57,6 +57,11 @@ class EngineReplica:
         from replicas.config import EngineConfig
 
         config = EngineConfig(**engine_config)
+        if config.tensor_parallel_size > 1:
+            # NOTE: the other ranks as Ray actors in this replica's placement group
+            from cluster.transport.rank_actors import RayRanks
+            from replicas.tensor_parallel.rank_processes import set_rank_starter
+            set_rank_starter(RayRanks)
         if engine_factory is None:
             from replicas.async_engine import AsyncEngine as engine_factory
         self._engine = engine_factory(config)
