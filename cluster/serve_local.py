@@ -359,8 +359,8 @@ def _serve(ns, app_cfg, host: str, port: int, mport: int, has_key: bool) -> int:
     from ray import serve
 
     num_engines = app_cfg.num_engine_replicas
-    num_cpus = ns.num_cpus or max(os.cpu_count() or 2,
-                                  int(num_engines * app_cfg.engine_num_cpus + 1))
+    num_cpus = ns.num_cpus or max(os.cpu_count() or 2, int(
+        num_engines * app_cfg.engine_num_cpus * app_cfg.tensor_parallel_size + 1))
     if not ns.verbose:
         console.quiet_ray()
     stop = threading.Event()

@@ -38,7 +38,9 @@ ignore_eos, 128-token prompts unless said):
 - `--paths`: decode tok/s at each `--concurrency` with every quantized layer on each
   of its paths, `none` beside (`--num-threads`, default 1; loadtests/quant_crossover.py);
 - `--limits`: this machine's read bandwidth and an `--input-len` prompt's GEMM time
-  on every core (loadtests/machine_limits.py).
+  on every core (loadtests/machine_limits.py);
+- `--tensor-parallel`: the decode step at one rank against two (one thread each), the
+  collectives' share of the step and a plan's cost (loadtests/tensor_parallel_pace.py).
 Configurations of a table are interleaved round by round (`--repeats`), medians.
 """
 from __future__ import annotations
@@ -55,7 +57,7 @@ from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_
 from loadtests.metrics import format_table, median_rows, ratio
 
 MODES = ("matrix", "ceiling", "process", "prefix", "wire", "structured", "roofline", "sampling",
-         "attention", "contention", "accuracy", "paths", "limits")
+         "attention", "contention", "accuracy", "paths", "limits", "tensor_parallel")
 # per mode: models, concurrency, output_len, repeats
 DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "matrix": (["tiny", "small"], [64, 256], 256, 1),
@@ -68,7 +70,8 @@ DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "contention": (["smollm2-135m", "tiny"], [128], 0, 3),
             "accuracy": (["smollm2-135m"], [], 0, 1),
             "paths": (["smollm2-135m"], [1, 4, 8, 16, 32, 64], 0, 1),
-            "limits": (["smollm2-135m"], [], 0, 1)}
+            "limits": (["smollm2-135m"], [], 0, 1),
+            "tensor_parallel": (["tiny", "smollm2-135m"], [1, 64, 256], 0, 2)}
 TOK_S = ("output_throughput", "tok/s", ".0f")
 TTFT = ("median_ttft_ms", "TTFT p50 ms", ".1f")
 TPOT = [("median_tpot_ms", "TPOT p50 ms", ".2f"), ("p99_tpot_ms", "p99", ".2f")]
@@ -251,7 +254,7 @@ def make_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = ap.add_mutually_exclusive_group()
     for mode in MODES:
-        modes.add_argument(f"--{mode}", action="store_true")
+        modes.add_argument(f"--{mode.replace('_', '-')}", dest=mode, action="store_true")
     ap.add_argument("--models", "--model", nargs="+", default=None, help="default: per mode")
     ap.add_argument("--concurrency", "--num-requests", type=int, nargs="+", default=None,
                     help="streams at once (--process: streams, all at once)")
@@ -333,6 +336,9 @@ def main(argv: list[str] | None = None) -> dict:
         from loadtests.quant_crossover import report
         result = report(args.models[0], args.concurrency,
                         args.num_threads[0] if args.num_threads else 1, args.dtype or "auto")
+    elif mode == "tensor_parallel":
+        from loadtests.tensor_parallel_pace import report
+        result = report(args.models, args.concurrency, args.repeats)
     elif mode == "limits":
         from loadtests.machine_limits import report
         result = report(args.models[0], args.input_len, args.dtype or "auto")

@@ -85,9 +85,14 @@ def layout_for(args: dict, cores: int | None = None,
     if args.get("device") not in (None, "cpu"):
         return None
     layout = cpu_layout(usable_cores() if cores is None else cores)
+    # NOTE: a replica of N tensor-parallel ranks takes a bundle of engine_num_cpus per rank
+    ranks = args.get("tensor_parallel_size") or 1
+    if ranks > 1:
+        layout = CpuLayout(layout.cores, max(1, layout.num_engine_replicas // ranks),
+                           layout.engine_num_cpus, layout.num_ingress_replicas)
     if ray_cpus is None:
         return layout
     ingress_cpus = layout.num_ingress_replicas * args.get("ingress_num_cpus", INGRESS_NUM_CPUS)
-    fits = int((ray_cpus - ingress_cpus) // layout.engine_num_cpus)
+    fits = int((ray_cpus - ingress_cpus) // (layout.engine_num_cpus * ranks))
     return CpuLayout(layout.cores, max(1, min(layout.num_engine_replicas, fits)),
                      layout.engine_num_cpus, layout.num_ingress_replicas)

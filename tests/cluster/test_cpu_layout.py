@@ -34,6 +34,15 @@ def test_replicas_fit_in_the_ray_cpus_the_user_fixed(ray_cpus, replicas):
     assert layout_for({}, cores=2, ray_cpus=ray_cpus).num_engine_replicas == replicas
 
 
+@pytest.mark.parametrize("cores, ranks, ray_cpus, replicas", [
+    (2, 2, None, 1), (4, 2, None, 2), (4, 3, None, 1), (8, 2, None, 1), (4, 2, 2.5, 1)])
+def test_a_tensor_parallel_replica_takes_a_core_per_rank(cores, ranks, ray_cpus, replicas):
+    """Each rank a bundle of engine_num_cpus: a replica no Ray could place would wait forever."""
+    layout = layout_for({"tensor_parallel_size": ranks}, cores=cores, ray_cpus=ray_cpus)
+    assert layout.num_engine_replicas == replicas
+    assert replicas * ranks * layout.engine_num_cpus <= cores
+
+
 def test_the_ingress_cpus_assumed_are_the_apps_default():
     from cluster.app import AppArgs
 
