@@ -26,15 +26,17 @@ PROMPTS = [SHARED + [7 + i, 300 + i] for i in range(3)] + [
     [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
 
-def _run(model: str, tp: int, steps: int, logprobs: int | None = None, **extra):
+def _run(model: str, tp: int, steps: int, logprobs: int | None = None, prompts=PROMPTS,
+         max_tokens: int = 20, **extra):
     config = EngineConfig(model=model, dtype="float32", num_threads=1, tensor_parallel_size=tp,
                           num_scheduler_steps=steps, max_num_batched_tokens=64,
                           enable_prefix_caching=True, **extra)
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=logprobs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=logprobs)
     with Engine(config) as engine:
         # NOTE: one after another, then together: the later ones meet cached prefixes
-        first = engine.generate(PROMPTS[:1], params)
-        rest = engine.generate(PROMPTS[1:], params)
+        first = engine.generate(prompts[:1], params)
+        rest = engine.generate(prompts[1:], params)
     return first + rest
 
 
@@ -46,9 +48,12 @@ def _assert_same(one, split):
             assert max(diffs) < 1e-3, max(diffs)
 
 
-@pytest.mark.parametrize("steps", [1, 8])
-def test_two_ranks_give_the_tokens_of_one_on_tiny(steps):
-    _assert_same(_run("tiny", 1, steps, logprobs=2), _run("tiny", 2, steps, logprobs=2))
+@pytest.mark.parametrize("steps, backend", [(1, "auto"), (8, "auto"), (8, "torch")])
+def test_two_ranks_give_the_tokens_of_one_on_tiny(steps, backend):
+    """NOTE: the torch backend keeps a window's gathered context across its steps:
+    each rank must keep (and drop) its own as rank 0 does."""
+    kw = {"attention_backend": backend}
+    _assert_same(_run("tiny", 1, steps, logprobs=2, **kw), _run("tiny", 2, steps, logprobs=2, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +68,10 @@ def test_fewer_kv_heads_than_ranks_are_replicated(one_kv_head_dir):
 
 def test_three_ranks_give_the_tokens_of_one_on_the_trained_preset():
     from trained_model import PRESET
-    one = _run(PRESET, 1, 8, quantization="none", max_model_len=512)
-    _assert_same(one, _run(PRESET, 3, 8, max_model_len=512))  # auto: dequantized to split
+    # NOTE: a shared prefix and a chunked prompt; few tokens (three ranks on two cores)
+    few = dict(prompts=[PROMPTS[0], PROMPTS[1], PROMPTS[4]], max_tokens=10, max_model_len=512)
+    one = _run(PRESET, 1, 8, quantization="none", **few)
+    _assert_same(one, _run(PRESET, 3, 8, **few))  # auto: dequantized to split
 
 
 def test_a_model_that_cannot_split_is_refused_before_any_rank_starts():
