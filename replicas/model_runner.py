@@ -70,17 +70,22 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model_config = ModelConfig.from_dir(model_dir)
         # rope tables cover the longest window that may run past max_model_len
-        self.model = load_model(model_dir, config.dtype, self.device,
-                                max_model_len + config.num_scheduler_steps + 1,
-                                quantization=config.quantization)
-        self.weight_kinds = weight_kinds(self.model, config.quantization)
         # the KV cache's shape: this rank's heads (all of them with one rank)
         self.local_model_config = self.model_config
+        layout = None
         if config.tensor_parallel_size > 1:
+            from replicas.tensor_parallel.shard import local_model_config, rank_layout
+            # NOTE: a model that cannot split is refused here, before any rank starts
+            layout = rank_layout(self.model_config, 0, config.tensor_parallel_size)
+            self.local_model_config = local_model_config(self.model_config, layout)
+        self.model = load_model(model_dir, config.dtype, self.device,
+                                max_model_len + config.num_scheduler_steps + 1,
+                                quantization=config.quantization, layout=layout)
+        self.weight_kinds = weight_kinds(self.model, config.quantization)
+        if layout is not None:
             from replicas.tensor_parallel.rank_zero import RankZeroModel
-            from replicas.tensor_parallel.shard import local_model_config
-            self.model = RankZeroModel(self.model, config, model_dir, max_model_len)
-            self.local_model_config = local_model_config(self.model_config, self.model.layout)
+            self.model = RankZeroModel(self.model, layout, self.model_config.vocab_size, config,
+                                       model_dir, max_model_len)
         # NOTE: this rank's weights
         self.weight_bytes = weight_bytes(self._module)
         logger.info("weights: %s, %.0f MB", self.weight_kinds, self.weight_bytes / 1e6)

@@ -12,7 +12,7 @@ import torch
 
 from replicas.config import EngineConfig
 from replicas.tensor_parallel import rank_group
-from replicas.tensor_parallel.shard import local_model_config, rank_layout, shard_llama_
+from replicas.tensor_parallel.shard import local_model_config, parallel_layers_, rank_layout
 from replicas.tensor_parallel.step_plan import SHUTDOWN, PlanReader
 
 logger = logging.getLogger("stepstream")
@@ -24,23 +24,25 @@ def run_rank(rank: int, world: int, address: str, config: EngineConfig, model_di
     from replicas.kv_cache.memory_profile import allocate_kv_caches
     from replicas.model_runner import select_backend
     from replicas.models.loader import load_model
+    from replicas.models.model_config import ModelConfig
     from replicas.models.packed_linear import pack_linears
 
     torch.set_num_threads(config.num_threads or 1)
     device = torch.device(config.device)
+    model_config = ModelConfig.from_dir(model_dir)
+    layout = rank_layout(model_config, rank, world)
     model = load_model(model_dir, config.dtype, device,
                        max_model_len + config.num_scheduler_steps + 1,
-                       quantization=config.quantization)
-    layout = rank_layout(model.config, rank, world)
+                       quantization=config.quantization, layout=layout)
     rank_group.join(address, rank, world, device)
     try:
-        shard_llama_(model, layout, None)
+        parallel_layers_(model, layout, model_config.vocab_size)
         if device.type == "cpu":
             pack_linears(model, batch_size_hint=min(config.max_num_seqs, 256))
         backend = select_backend(config, device)
         num_blocks = rank_group.receive()
         kv_caches = allocate_kv_caches(num_blocks, config.block_size,
-                                       local_model_config(model.config, layout),
+                                       local_model_config(model_config, layout),
                                        getattr(torch, config.dtype), device)
         reader = PlanReader()
         with torch.inference_mode():

@@ -14,7 +14,7 @@ from torch import nn
 
 from replicas.tensor_parallel import rank_group
 from replicas.tensor_parallel.rank_processes import start_ranks
-from replicas.tensor_parallel.shard import rank_layout, shard_llama_
+from replicas.tensor_parallel.shard import RankLayout, parallel_layers_
 from replicas.tensor_parallel.step_plan import SHUTDOWN, make_plan
 
 logger = logging.getLogger("stepstream")
@@ -25,9 +25,11 @@ class RankZeroModel:
     """Stands where the model stood in ModelRunner; the rest of the model's
     attributes are its shard's."""
 
-    def __init__(self, model: nn.Module, config, model_dir: str, max_model_len: int) -> None:
+    def __init__(self, model: nn.Module, layout: RankLayout, vocab_size: int, config,
+                 model_dir: str, max_model_len: int) -> None:
+        """`model`: rank 0's shard, loaded as such."""
         world = config.tensor_parallel_size
-        self.layout = rank_layout(model.config, 0, world)  # refused before any rank starts
+        self.layout = layout
         address = rank_group.rendezvous_address()
         self._ranks = start_ranks(world, address, config, model_dir, max_model_len)
         try:
@@ -35,7 +37,7 @@ class RankZeroModel:
         except BaseException:
             self._ranks.stop(STOP_TIMEOUT_S)
             raise
-        self.model = shard_llama_(model, self.layout, None)
+        self.model = parallel_layers_(model, layout, vocab_size)
         self._last_meta = None
         self._stopped = False
 

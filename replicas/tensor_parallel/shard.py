@@ -1,11 +1,12 @@
-"""How a Llama-family model splits across `world` ranks, and the split itself.
+"""How a Llama-family model splits across `world` ranks, and its collectives.
 
 Per rank: a slice of the query heads and the KV heads they read (KV heads
 replicated where there are fewer than ranks: each rank keeps the one its query
 heads use), a slice of the MLP's intermediate size; q/k/v and gate/up split by
 output (column-parallel), o and down by input (row-parallel, one all-reduce each
 per layer); the lm-head split by vocabulary, its logits gathered for sampling;
-the embedding replicated (a lookup: nothing to add up).
+the embedding replicated (a lookup: nothing to add up). Each rank reads only its
+slices of the checkpoint (replicas/models/loader.py, given its `RankLayout`).
 """
 from __future__ import annotations
 
@@ -103,42 +104,12 @@ class VocabParallelHead(nn.Module):
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    out_features, in_features = weight.shape
-    linear = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
-    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    if bias is not None:
-        linear.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
-    return linear
-
-
-def shard_llama_(model: nn.Module, layout: RankLayout, group) -> nn.Module:
-    """Keep only `layout`'s shard of `model`'s float weights (in place)."""
-    cfg = model.config
-    if any(type(m) is not nn.Linear for layer in model.layers
-           for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj)):
-        raise ValueError("tensor_parallel_size > 1 runs float weights: set quantization none")
-    D, H, KV = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    q_size, kv_size = H * D, KV * D
-    (q0, q1), (k0, k1), (i0, i1) = layout.q_heads, layout.kv_heads, layout.intermediate
-    q_rows = slice(q0 * D, q1 * D)
-    k_rows = slice(q_size + k0 * D, q_size + k1 * D)
-    v_rows = slice(q_size + kv_size + k0 * D, q_size + kv_size + k1 * D)
-    I = cfg.intermediate_size
-    with torch.no_grad():
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-            attn.qkv_proj = _linear(torch.cat([w[q_rows], w[k_rows], w[v_rows]]),
-                                    None if b is None else torch.cat([b[q_rows], b[k_rows], b[v_rows]]))
-            attn.o_proj = RowParallel(_linear(attn.o_proj.weight[:, q0 * D:q1 * D], None), group)
-            attn.num_heads, attn.num_kv_heads = q1 - q0, k1 - k0
-            attn.q_size, attn.kv_size = (q1 - q0) * D, (k1 - k0) * D
-            w = mlp.gate_up_proj.weight
-            mlp.gate_up_proj = _linear(torch.cat([w[i0:i1], w[I + i0:I + i1]]), None)
-            mlp.down_proj = RowParallel(_linear(mlp.down_proj.weight[:, i0:i1], None), group)
-            mlp.intermediate_size = i1 - i0
-        v0, v1 = layout.vocab
-        model.lm_head = VocabParallelHead(_linear(model.lm_head.weight[v0:v1].clone(), None),
-                                          cfg.vocab_size, layout.vocab_per_rank, group)
+def parallel_layers_(model: nn.Module, layout: RankLayout, vocab_size: int, group=None
+                     ) -> nn.Module:
+    """A rank's shard (loaded as such: replicas/models/loader.py) with its collectives:
+    o_proj and down_proj add up over the ranks, the lm-head's rows are gathered."""
+    for layer in model.layers:
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+    model.lm_head = VocabParallelHead(model.lm_head, vocab_size, layout.vocab_per_rank, group)
     return model

@@ -96,3 +96,35 @@ def test_a_rank_that_dies_fails_the_next_step_at_once():
     finally:
         engine.core.runner.model._stopped = True  # nothing left to tell it
         engine.shutdown()
+
+
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(one_kv_head_dir):
+    """Rank 1 of 2 on a one-KV-head model with biases and tied embeddings: its
+    weights are exactly its rows and columns of the whole model's, no more."""
+    import torch
+
+    from replicas.models.loader import load_model
+    from replicas.models.model_config import ModelConfig
+    from replicas.tensor_parallel.shard import rank_layout
+
+    cfg = ModelConfig.from_dir(one_kv_head_dir)
+    whole = load_model(one_kv_head_dir, "float32", torch.device("cpu"), 64)
+    layout = rank_layout(cfg, 1, 2)
+    part = load_model(one_kv_head_dir, "float32", torch.device("cpu"), 64, layout=layout)
+    D, H, I = cfg.head_dim, cfg.num_heads, cfg.intermediate_size
+    w, p = whole.layers[1], part.layers[1]
+    q = slice(H // 2 * D, H * D)
+    kv = slice(H * D, H * D + D)  # the one KV head, whole: replicated
+    v = slice(H * D + D, H * D + 2 * D)
+    assert torch.equal(p.self_attn.qkv_proj.weight, torch.cat(
+        [w.self_attn.qkv_proj.weight[s] for s in (q, kv, v)]))
+    assert torch.equal(p.self_attn.qkv_proj.bias, torch.cat(
+        [w.self_attn.qkv_proj.bias[s] for s in (q, kv, v)]))
+    assert torch.equal(p.self_attn.o_proj.weight, w.self_attn.o_proj.weight[:, q])
+    gate_up = w.mlp.gate_up_proj.weight
+    assert torch.equal(p.mlp.gate_up_proj.weight,
+                       torch.cat([gate_up[I // 2:I], gate_up[I + I // 2:]]))
+    assert torch.equal(p.mlp.down_proj.weight, w.mlp.down_proj.weight[:, I // 2:])
+    assert torch.equal(part.lm_head.weight, whole.embed_tokens.weight[slice(*layout.vocab)])
+    matrices = lambda m: sum(t.numel() for n, t in m.named_parameters() if "layers" in n)
+    assert matrices(part) < 0.6 * matrices(whole)
