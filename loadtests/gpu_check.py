@@ -189,10 +189,12 @@ def _token_diff(a: list[list[int]], b: list[list[int]]) -> dict:
 
 # -- part d: end to end with random weights built on the device -----------------------------
 def build_random_model(model_dir: str, dtype: str, device: torch.device, max_positions: int,
-                       quantization: str = "none", seed: int = 0):
+                       quantization: str = "none", seed: int = 0, layout=None):
     """The model for config.json in model_dir, random weights drawn in place on the device
     (no checkpoint files): matrices N(0, 0.02), norms 1. Float weights: `quantization`
-    (load_model's) is none on a GPU."""
+    (load_model's) is none on a GPU; one rank (`layout` None: tensor_parallel_size 1)."""
+    if layout is not None:
+        raise ValueError("the GPU check builds one rank's model: tensor_parallel_size 1")
     from replicas.models.llama import LlamaForCausalLM
     from replicas.models.model_config import ModelConfig
     cfg = ModelConfig.from_dir(model_dir)
