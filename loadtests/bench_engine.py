@@ -110,13 +110,17 @@ def run_transformers(model_dir: str, batch: int, num_requests: int, input_len: i
 def core_mode(args) -> dict:
     from replicas.checkpoints.presets import ensure_model_dir
     rows = {}
+    with_hf = args.hf_batch_max > 0  # 0: the engine alone, no transformers reference
     for model in args.models:
         model_dir = ensure_model_dir(model)
-        single = run_transformers(model_dir, 1, 2, args.input_len, args.output_len)
+        single = run_transformers(model_dir, 1, 2, args.input_len, args.output_len) if with_hf else None
         for c in args.concurrency:
             n = max(c, 4)
             row = run_engine(engine_config(model), sessions_of(random_prompts(n, args.input_len),
                                                                greedy(args.output_len)), c)
+            if not with_hf:
+                rows[f"{model} c={c}"] = row
+                continue
             batch = min(c, args.hf_batch_max)
             batched = run_transformers(model_dir, batch, batch, args.input_len, args.output_len) \
                 if c > 1 else single
@@ -124,11 +128,13 @@ def core_mode(args) -> dict:
             row["x_hf_single"] = ratio(row["output_throughput"], row["hf_single"])
             row["x_hf_batched"] = ratio(row["output_throughput"], row["hf_batched"])
             rows[f"{model} c={c}"] = row
-        _print(f"{model}: {args.input_len} in / {args.output_len} out, greedy; HF = transformers' "
-               "generate", {k: r for k, r in rows.items() if k.startswith(model + " ")},
-               [TOK_S, TPOT[0], ("hf_single", "HF single tok/s", ".0f"),
-                ("hf_batched", "HF batched tok/s", ".0f"), ("x_hf_single", "x HF single", ".1f"),
-                ("x_hf_batched", "x HF batched", ".2f")])
+        hf_columns = [("hf_single", "HF single tok/s", ".0f"),
+                      ("hf_batched", "HF batched tok/s", ".0f"),
+                      ("x_hf_single", "x HF single", ".1f"), ("x_hf_batched", "x HF batched", ".2f")]
+        _print(f"{model}: {args.input_len} in / {args.output_len} out, greedy"
+               + ("; HF = transformers' generate" if with_hf else ""),
+               {k: r for k, r in rows.items() if k.startswith(model + " ")},
+               [TOK_S, TPOT[0], *(hf_columns if with_hf else [])])
     return rows
 
 
@@ -265,7 +271,9 @@ def make_parser() -> argparse.ArgumentParser:
                     help="interleaved rounds, medians (default: 2 --process; 3 --prefix, --structured, "
                          "--contention; 5 --attention; else 1)")
     ap.add_argument("--result-dir", default="results")
-    ap.add_argument("--hf-batch-max", type=int, default=64)
+    ap.add_argument("--hf-batch-max", type=int, default=64,
+                    help="default mode: transformers' largest batch; 0 skips the transformers "
+                         "reference (the engine's rows only)")
     ap.add_argument("--baseline-ref", default=None,
                     help="--ceiling: also run the engine at this git revision, interleaved")
     ap.add_argument("--current-ref", default=None,

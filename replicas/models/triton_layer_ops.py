@@ -182,7 +182,7 @@ def check_against_torch(ops: TritonLayerOps, device: torch.device,
     within two ulps of dtype (compiled Triton's exp, rsqrt and division may differ from
     torch's in float32's last bit, and RMSNorm and SiLU x up round twice); else what
     differs."""
-    from replicas.models.llama import RMSNorm, RotaryEmbedding
+    from replicas.models.layers import RMSNorm, RotaryEmbedding
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def randn(*shape):

@@ -38,7 +38,7 @@ def test_the_start_up_check_passes_on_cuda(dtype):
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_rms_norm_silu_and_rotary_at_8b_widths(dtype):
-    from replicas.models.llama import RMSNorm, RotaryEmbedding
+    from replicas.models.layers import RMSNorm, RotaryEmbedding
     ops = _ops()
     x, residual = torch.randn(2, 256, 4096, device="cuda", dtype=dtype)
     norm = RMSNorm(4096, 1e-5).to(device="cuda", dtype=dtype)

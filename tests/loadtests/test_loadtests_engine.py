@@ -104,3 +104,14 @@ def test_gpu_check_quant_decode_plumbing_runs_on_cpu(tmp_path):
     assert all(r["int4_step_ms"] > 0 and r["int8_vs_bfloat16"] > 0 for r in rows)
     weights = part["result"]["weights_mb"]
     assert weights["int4"] < weights["int8"] < weights["bfloat16"]
+
+
+def test_hf_batch_max_0_runs_the_engine_without_the_transformers_reference(tmp_path, capsys):
+    from loadtests import bench_engine
+
+    result = bench_engine.main(["--models", "tiny", "--concurrency", "1", "--output-len", "4",
+                                "--input-len", "8", "--hf-batch-max", "0",
+                                "--result-dir", str(tmp_path)])
+    [row] = result.values() if "tiny c=1" in result else result["core"].values()
+    assert row["output_throughput"] > 0 and "hf_single" not in row
+    assert "HF" not in capsys.readouterr().out

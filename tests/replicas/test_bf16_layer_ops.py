@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from replicas.models import bf16_layer_ops
 from replicas.models.bf16_layer_ops import SOURCE, load_bf16_layer_ops
-from replicas.models.llama import RMSNorm, RotaryEmbedding
+from replicas.models.layers import RMSNorm, RotaryEmbedding
 from tests.native_kernel_support import why_not_built
 
 

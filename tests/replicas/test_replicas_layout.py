@@ -39,3 +39,24 @@ def test_imports_run_down_the_packages(package, never):
     wrong = [(str(p.relative_to(REPO)), sorted(_top_level_imports(p) & never))
              for p in sorted((REPO / package).rglob("*.py")) if _top_level_imports(p) & never]
     assert not wrong, wrong
+
+
+def test_the_modules_of_models_import_each_other_one_way():
+    """No circle among replicas/models/'s modules, counting imports inside functions
+    (the shared layers live in layers.py, which the model and the kernels import)."""
+    import ast
+
+    folder = Path(__file__).resolve().parents[2] / "replicas" / "models"
+    graph = {}
+    for path in folder.glob("*.py"):
+        name = f"replicas.models.{path.stem}"
+        graph[name] = {node.module for node in ast.walk(ast.parse(path.read_text()))
+                       if isinstance(node, ast.ImportFrom) and node.module
+                       and node.module.startswith("replicas.models.")}
+
+    def visit(name, trail):
+        assert name not in trail, " -> ".join([*trail, name])
+        for other in graph.get(name, ()):
+            visit(other, [*trail, name])
+    for name in graph:
+        visit(name, [])

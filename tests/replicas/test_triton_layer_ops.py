@@ -11,7 +11,7 @@ from triton_interpreter import interpreted
 
 triton_layer_ops = interpreted("replicas.models.triton_layer_ops", "tests/gpu/test_gpu_layer_ops.py")
 
-from replicas.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
+from replicas.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 
 OPS = triton_layer_ops.TritonLayerOps()
 
