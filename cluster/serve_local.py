@@ -418,7 +418,9 @@ def _run_app(app_cfg, host: str, port: int, mport: int, has_key: bool,
 
     from cluster.app import make_app
 
-    problem = preflight.gpu_problem(app_cfg.engine_num_gpus * app_cfg.num_engine_replicas,
+    # NOTE: a tensor-parallel replica's ranks each take a bundle of engine_num_gpus
+    problem = preflight.gpu_problem(app_cfg.engine_num_gpus * app_cfg.num_engine_replicas
+                                    * app_cfg.tensor_parallel_size,
                                     ray.cluster_resources().get("GPU", 0.0))
     if problem:
         console.error(problem)

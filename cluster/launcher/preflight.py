@@ -99,4 +99,5 @@ def gpu_problem(num_gpus_needed: float, num_gpus_seen: float) -> str | None:
     seen = f"{num_gpus_seen:g} GPU{'s' if num_gpus_seen != 1 else ''}"
     return (f"the engine replicas ask for {num_gpus_needed:g} GPUs in all, but Ray sees {seen} "
             "on this machine. Check `nvidia-smi` and CUDA_VISIBLE_DEVICES, or lower "
-            "--engine-num-gpus / --num-engine-replicas")
+            "--engine-num-gpus / --num-engine-replicas / --tensor-parallel-size (each rank "
+            "of a replica takes --engine-num-gpus)")

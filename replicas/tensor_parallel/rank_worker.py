@@ -44,7 +44,7 @@ def run_rank(rank: int, world: int, address: str, config: EngineConfig, model_di
         kv_caches = allocate_kv_caches(num_blocks, config.block_size,
                                        local_model_config(model_config, layout),
                                        getattr(torch, config.dtype), device)
-        reader = PlanReader()
+        reader = PlanReader(device)
         with torch.inference_mode():
             while True:
                 plan = rank_group.receive()
