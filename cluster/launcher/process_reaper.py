@@ -41,6 +41,20 @@ def alive(recorded: dict[int, int]) -> dict[int, int]:
     return out
 
 
+def with_their_descendants(recorded: dict[int, int], me: int) -> dict[int, int]:
+    """The recorded processes still alive and every live process below them.
+
+    NOTE: once the launcher is gone, what Ray's processes start after the last look
+    (the raylet's dashboard agent, a worker) is no longer below the launcher: it is
+    below a recorded process, and would be left behind if only those were ended."""
+    table = read_process_table()
+    out = alive(recorded)
+    for pid in list(out):
+        out.update({p: table[p].start_ticks for p in process_table.descendants(table, pid)
+                    if p != me})
+    return out
+
+
 def _signal_all(recorded: dict[int, int], sig: int) -> None:
     for pid in alive(recorded):
         try:
@@ -68,15 +82,21 @@ def watch(launcher_pid: int, pipe_fd: int, poll_interval_s: float = 1.0, grace_s
         if now is None or now.start_ticks != launcher.start_ticks:
             break
     deadline = time.monotonic() + grace_s
-    while alive(recorded) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        recorded = with_their_descendants(recorded, me)
+        if not recorded:
+            break
         time.sleep(0.2)
-    left = alive(recorded)
+    left = with_their_descendants(recorded, me)
     if left:
         _signal_all(left, signal.SIGTERM)
         deadline = time.monotonic() + kill_after_s
-        while alive(left) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            left = {**left, **with_their_descendants(left, me)}
+            if not alive(left):
+                break
             time.sleep(0.2)
-        _signal_all(left, signal.SIGKILL)
+        _signal_all(with_their_descendants(left, me), signal.SIGKILL)
     return left
 
 
