@@ -228,7 +228,7 @@ class LoopCollector:
 
     Why: with per-step release the ingress puts and takes one delta per stream per
     step; dropping the mailbox's lock and dict took about a sixth off its own work
-    per event (`python -m loadtests.bench ingress-chain`: 10.8 -> 9.0 us)."""
+    per event (10.8 -> 9.0 us; docs/performance.md, "What the HTTP path costs")."""
 
     __slots__ = ("request_id", "_pending", "_waiter", "_is_closed", "_is_done",
                  "_num_output_tokens")

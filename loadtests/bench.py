@@ -2,9 +2,7 @@
 vLLM benchmark_serving's flags (loadtests/serving_run.py);
 
     python -m loadtests.bench compare|http|routing [flags]   # loadtests/serving_matrix.py
-    python -m loadtests.bench http-floor [flags]               # loadtests/http_floor.py
-    python -m loadtests.bench ingress-chain [flags]            # loadtests/ingress_chain_cost.py
-    python -m loadtests.bench start-beside-busy [flags]        # loadtests/start_beside_busy.py
+    python -m loadtests.bench noisy-neighbours [flags]         # loadtests/noisy_neighbours.py
     python -m loadtests.bench sharegpt-sample [flags]          # rewrites the bundled sample
 """
 from __future__ import annotations
@@ -41,18 +39,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sharegpt-sample"]:
         return write_sample(argv[1:])
-    if argv[:1] == ["http-floor"]:
-        from loadtests import http_floor
-        return http_floor.main(argv[1:])
-    if argv[:1] == ["ingress-chain"]:
-        from loadtests import ingress_chain_cost
-        return ingress_chain_cost.main(argv[1:])
     if argv[:1] == ["noisy-neighbours"]:
         from loadtests import noisy_neighbours
         return noisy_neighbours.main(argv[1:])
-    if argv[:1] == ["start-beside-busy"]:
-        from loadtests import start_beside_busy
-        return start_beside_busy.main(argv[1:])
     if argv[:1] and argv[0] in MATRIX_MODES:
         from loadtests import serving_matrix
         return serving_matrix.main(argv[0], argv[1:])

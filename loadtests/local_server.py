@@ -102,18 +102,12 @@ class LocalServer:
                  model: str = "tiny", host: str = "127.0.0.1", port: int | None = None,
                  log_path: str | Path | None = None, startup_timeout_s: float = 600.0,
                  stop_timeout_s: float = 30.0, env: dict[str, str] | None = None,
-                 cwd: str | Path | None = None, own_session: bool = True,
-                 session_nice: int = 0):
-        """`own_session` False: the server stays in this process's session (in a
-        process group of its own, which stopping signals). Under the kernel's
-        autogroup scheduling a session shares the CPU as one group, so this is how
-        to run it beside the caller's work rather than beside the caller.
-
-        `session_nice` > 0 (with `own_session`): the server's session, as one
-        autogroup, yields the CPU to this process's session when both want it, so a
-        benchmark client on the same cores reads each event when it arrives, as a
-        client on another machine would (loadtests/client_wait.py says why). The
-        server still gets every cycle the client does not use."""
+                 cwd: str | Path | None = None, session_nice: int = 0):
+        """`session_nice` > 0: the server's session, as one autogroup, yields the CPU
+        to this process's session when both want it, so a benchmark client on the same
+        cores reads each event when it arrives, as a client on another machine would
+        (loadtests/client_wait.py says why). The server still gets every cycle the
+        client does not use."""
         self.host, self.port = host, port or free_port(host)
         self.command = [sys.executable, "-m", module, "--model", model, "--host", host,
                         "--port", str(self.port), *server_args]
@@ -122,7 +116,6 @@ class LocalServer:
         self.stop_timeout_s = stop_timeout_s
         self.env = {**os.environ, **env} if env else None  # None: this process's
         self.cwd = cwd  # None: this process's
-        self.own_session = own_session
         self.session_nice = session_nice
         self.process: subprocess.Popen | None = None
         self._log_file = None
@@ -144,12 +137,9 @@ class LocalServer:
         while True:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL,
-                                            start_new_session=self.own_session,
-                                            # NOTE: Popen's process_group needs 3.11
-                                            preexec_fn=None if self.own_session else os.setpgrp,
+                                            start_new_session=True,
                                             env=self.env, cwd=self.cwd)
-            if (self.own_session and self.session_nice
-                    and not set_session_nice(self.process.pid, self.session_nice)):
+            if self.session_nice and not set_session_nice(self.process.pid, self.session_nice):
                 print(f"note: could not set the server session's autogroup nice to "
                       f"{self.session_nice} (no autogroup scheduling here?)", file=sys.stderr)
             attempts_left -= 1
@@ -174,7 +164,7 @@ class LocalServer:
 
     def _signal_group(self, sig: int) -> None:
         try:
-            os.killpg(self.process.pid, sig)  # pgid == pid: a session or a group of its own
+            os.killpg(self.process.pid, sig)  # pgid == pid: a session of its own
         except (ProcessLookupError, PermissionError):
             pass
 

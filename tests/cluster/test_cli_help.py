@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 
 from cluster import serve_local
-from loadtests import bench_engine, fake_server, gpu_check, http_floor, serving_matrix, serving_run, soak
+from loadtests import bench_engine, fake_server, gpu_check, serving_matrix, serving_run, soak
 
 PARSERS = {
     "serve_local": serve_local.parse_args,
     "bench": serving_run.make_parser().parse_args,
     "bench http": serving_matrix.make_preset_parser("http").parse_args,
-    "bench http-floor": http_floor.make_parser().parse_args,
     "bench_engine": bench_engine.make_parser().parse_args,
     "soak": soak.parse_args,
     "fake_server": fake_server.parse_args,

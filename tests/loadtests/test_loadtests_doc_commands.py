@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import (bench, bench_engine, fake_server, gpu_check, http_floor,
-                       ingress_chain_cost, noisy_neighbours, serving_matrix, serving_run,
-                       soak, start_beside_busy)
+from loadtests import (bench, bench_engine, fake_server, gpu_check, noisy_neighbours,
+                       serving_matrix, serving_run, soak)
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "cluster/README.md", "RELIABILITY.md", "loadtests/README.md",
@@ -18,14 +17,8 @@ _COMMAND = re.compile(r"python\s+-m\s+(loadtests\.\w+)(.*)")
 def _parse_bench(argv: list[str]):
     if argv[:1] == ["sharegpt-sample"]:
         return bench.make_sample_parser().parse_args(argv[1:])
-    if argv[:1] == ["http-floor"]:
-        return http_floor.make_parser().parse_args(argv[1:])
-    if argv[:1] == ["ingress-chain"]:
-        return ingress_chain_cost.make_parser().parse_args(argv[1:])
     if argv[:1] == ["noisy-neighbours"]:
         return noisy_neighbours.make_parser().parse_args(argv[1:])
-    if argv[:1] == ["start-beside-busy"]:
-        return start_beside_busy.make_parser().parse_args(argv[1:])
     if argv[:1] and argv[0] in bench.MATRIX_MODES:
         return serving_matrix.make_preset_parser(argv[0]).parse_args(argv[1:])
     return serving_run.make_parser().parse_args(argv)
@@ -38,7 +31,8 @@ PARSERS = {"loadtests.bench": _parse_bench, "loadtests.bench_engine": bench_engi
 
 def _code(doc: str) -> list[tuple[int, str]]:
     """(line, text) of each fenced block line (`\\` continuations joined) and of each
-    inline code span (which may wrap lines) of `doc`."""
+    inline code span (which may wrap lines) of `doc`; a span followed by `at revision
+    REV` names a command of that revision (a tool since removed), not of this one."""
     fenced, prose, in_fence, pending = [], [], False, None
     for number, line in enumerate((REPO / doc).read_text().splitlines(), 1):
         if line.lstrip().startswith("```"):
@@ -56,7 +50,8 @@ def _code(doc: str) -> list[tuple[int, str]]:
             prose.append((number, line))
     text = "\n".join(line for _, line in prose)
     spans = [(prose[text.count("\n", 0, m.start())][0], m.group(1).replace("\n", " "))
-             for m in re.finditer(r"`([^`]+)`", text)]
+             for m in re.finditer(r"`([^`]+)`", text)
+             if not re.match(r"\s+at\s+revision\s+[0-9a-f]{7,40}\b", text[m.end():])]
     return fenced + spans
 
 
