@@ -22,17 +22,9 @@ ignore_eos, 128-token prompts unless said):
 - `--sampling`: greedy, temperature 1.0, and temperature 1.0 with top-k 50 and top-p 0.9
   on the trained preset (its 49k vocabulary), the sampler alone (beside the
   whole-vocabulary sort) and the engine (loadtests/sampling_pace.py);
-- `--attention`: the CPU decode-attention kernel against its source at `--baseline-ref`
-  on the trained shape's heads, at 64 and 256 streams of 160 tokens of context
-  (loadtests/attention_kernel_pace.py; no model);
-- `--contention`: one thread's decode-step matrix products on one core, alone and
-  beside Python work, a second such step, or a memory copy on another core (128
-  streams of `smollm2-135m` and `tiny` by default; loadtests/core_contention.py);
-- `--wire`: the per-step wire's encode + decode cost, old lists vs msgspec bytes
-  (loadtests/wire_cost.py; no engine, no model).
 - `--structured`: 200 streams, every fourth held to a JSON schema, beside the same
   requests with no constrained neighbours, and the grammar engine's cost per token
-  (loadtests/structured_outputs.py); `--constraint tools`: required tool calls instead.
+  (loadtests/structured_outputs.py); `--constraint tools`: required tool calls instead;
 - `--accuracy`: each `--quantizations` mode's perplexity on a shipped text and its
   top-1 agreement with `none` (`--dtype`; loadtests/quant_accuracy.py);
 - `--paths`: decode tok/s at each `--concurrency` with every quantized layer on each
@@ -56,18 +48,16 @@ from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_
                                      run_process_engine, sessions_of)
 from loadtests.metrics import format_table, median_rows, ratio
 
-MODES = ("matrix", "ceiling", "process", "prefix", "wire", "structured", "roofline", "sampling",
-         "attention", "contention", "accuracy", "paths", "limits", "tensor_parallel")
+MODES = ("matrix", "ceiling", "process", "prefix", "structured", "roofline", "sampling",
+         "accuracy", "paths", "limits", "tensor_parallel")
 # per mode: models, concurrency, output_len, repeats
 DEFAULTS = {"core": (["tiny", "small"], [1, 16, 64], 128, 1),
             "matrix": (["tiny", "small"], [64, 256], 256, 1),
             "ceiling": (["tiny"], [200], 128, 1), "process": (["tiny"], [200], 128, 2),
-            "prefix": (["tiny"], [1, 16], 128, 3), "wire": ([], [], 0, 1),
+            "prefix": (["tiny"], [1, 16], 128, 3),
             "structured": (["tiny"], [200], 128, 3),
             "roofline": (["smollm2-135m"], [64, 256], 64, 1),
             "sampling": (["smollm2-135m"], [64, 256], 64, 1),
-            "attention": ([], [64, 256], 0, 5),
-            "contention": (["smollm2-135m", "tiny"], [128], 0, 3),
             "accuracy": (["smollm2-135m"], [], 0, 1),
             "paths": (["smollm2-135m"], [1, 4, 8, 16, 32, 64], 0, 1),
             "limits": (["smollm2-135m"], [], 0, 1),
@@ -268,8 +258,8 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=None,
                     help="default: 256 with --matrix, else 128")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="interleaved rounds, medians (default: 2 --process; 3 --prefix, --structured, "
-                         "--contention; 5 --attention; else 1)")
+                    help="interleaved rounds, medians (default: 2 --process and --tensor-parallel; "
+                         "3 --prefix and --structured; else 1)")
     ap.add_argument("--result-dir", default="results")
     ap.add_argument("--hf-batch-max", type=int, default=64,
                     help="default mode: transformers' largest batch; 0 skips the transformers "
@@ -289,10 +279,6 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat-output-len", type=int, default=64, help="--prefix: cap on each reply")
     ap.add_argument("--chat-conversations", type=int, default=24,
                     help="--prefix: the first this many multi-turn conversations (0: all)")
-    ap.add_argument("--num-deltas", type=int, default=200, help="--wire: deltas per step message")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8],
-                    help="--wire: new tokens per delta, one table block each")
-    ap.add_argument("--samples", type=int, default=30, help="--wire: timed samples per format")
     ap.add_argument("--constrained-every", type=int, default=4,
                     help="--structured: every this many streams carries a JSON schema")
     ap.add_argument("--constraint", default="json", choices=("json", "tools"),
@@ -329,14 +315,6 @@ def main(argv: list[str] | None = None) -> dict:
         from loadtests.sampling_pace import report
         result = report(args.models, args.concurrency, args.input_len, args.output_len,
                         args.repeats)
-    elif mode == "attention":
-        from loadtests.attention_kernel_pace import report
-        if args.baseline_ref is None:
-            make_parser().error("--attention needs --baseline-ref REV")
-        result = report(args.baseline_ref, args.concurrency, args.input_len + 32, args.repeats)
-    elif mode == "contention":
-        from loadtests.core_contention import report
-        result = report(args.models, args.concurrency, args.repeats)
     elif mode == "accuracy":
         from loadtests.quant_accuracy import report
         result = report(args.models, args.quantizations, args.dtype or "float32", path=args.path)
@@ -350,9 +328,6 @@ def main(argv: list[str] | None = None) -> dict:
     elif mode == "limits":
         from loadtests.machine_limits import report
         result = report(args.models[0], args.input_len, args.dtype or "auto")
-    elif mode == "wire":
-        from loadtests.wire_cost import report
-        result = report(args.num_deltas, args.tokens, args.samples)
     else:
         result = {"core": core_mode, "matrix": matrix_mode, "process": process_mode,
                   "prefix": prefix_mode}[mode](args)

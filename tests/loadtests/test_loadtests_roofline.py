@@ -39,11 +39,3 @@ def test_a_run_reports_the_roofline_and_the_engines_share_of_it():
     assert row["share_of_roofline"] == pytest.approx(row["decode_tok_s"] / row["roofline_tok_s"])
     assert 0 < row["lm_head_share"] < 1
 
-
-def test_the_attention_kernel_against_a_revision_reports_both_builds():
-    from loadtests.attention_kernel_pace import report
-
-    rows = report("HEAD", [4], context_len=40, rounds=1)
-    row = rows["4 streams"]
-    assert row["now_us"] > 0 and row["baseline_us"] > 0
-    assert row["ratio"] == pytest.approx(row["now_us"] / row["baseline_us"])
