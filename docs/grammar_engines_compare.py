@@ -31,7 +31,7 @@ torch.set_num_threads(1)
 from tokenizers import Tokenizer  # noqa: E402
 
 from tests.structured_output_schemas import SCHEMAS  # noqa: E402
-from loadtests.structured_outputs import SCHEMA as BENCH_SCHEMA  # noqa: E402
+from loadtests.engine.structured_outputs import SCHEMA as BENCH_SCHEMA  # noqa: E402
 
 ASSETS = os.path.join(REPO, "replicas", "assets")
 TOK_JSON = f"{ASSETS}/tokenizer.json"

@@ -1,8 +1,8 @@
 """The serving benchmark: `python -m loadtests.bench [flags]` runs one benchmark with
-vLLM benchmark_serving's flags (loadtests/serving_run.py);
+vLLM benchmark_serving's flags (loadtests/serving/serving_run.py);
 
-    python -m loadtests.bench compare|http|routing [flags]   # loadtests/serving_matrix.py
-    python -m loadtests.bench noisy-neighbours [flags]         # loadtests/noisy_neighbours.py
+    python -m loadtests.bench compare|http|routing [flags]   # loadtests/serving/serving_matrix.py
+    python -m loadtests.bench noisy-neighbours [flags]         # loadtests/serving/noisy_neighbours.py
     python -m loadtests.bench sharegpt-sample [flags]          # rewrites the bundled sample
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from loadtests import datasets
-from loadtests.serving_run import BenchConfig, make_parser, run_benchmark  # noqa: F401 (library use)
+from loadtests.serving import datasets
+from loadtests.serving.serving_run import BenchConfig, make_parser, run_benchmark  # noqa: F401 (library use)
 
 MATRIX_MODES = ("compare", "http", "routing")
 
@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     if argv[:1] == ["sharegpt-sample"]:
         return write_sample(argv[1:])
     if argv[:1] == ["noisy-neighbours"]:
-        from loadtests import noisy_neighbours
+        from loadtests.serving import noisy_neighbours
         return noisy_neighbours.main(argv[1:])
     if argv[:1] and argv[0] in MATRIX_MODES:
-        from loadtests import serving_matrix
+        from loadtests.serving import serving_matrix
         return serving_matrix.main(argv[0], argv[1:])
     result = asyncio.run(run_benchmark(make_parser().parse_args(argv)))
     for key in ("result_path", "plot_path"):

@@ -1,6 +1,6 @@
 """Offline, in-process engine benchmark (no HTTP): `python -m loadtests.bench_engine`.
 
-One mode per run, every one on the runner of loadtests/engine_runner.py (greedy,
+One mode per run, every one on the runner of loadtests/engine/engine_runner.py (greedy,
 ignore_eos, 128-token prompts unless said):
 - default: the `tiny` and `small` presets at 1, 16 and 64 concurrent requests (128
   output tokens), beside transformers' `generate` on the same workload (one request
@@ -9,7 +9,7 @@ ignore_eos, 128-token prompts unless said):
   streaming, at 64 and 256 concurrent streams (256 out); plus the output-processing
   CPU time per token at output lengths 128 and 2048;
 - `--ceiling`: the engine against its model's raw forward and an earlier revision
-  (`--baseline-ref`), with a profiled step breakdown (loadtests/engine_ceiling.py);
+  (`--baseline-ref`), with a profiled step breakdown (loadtests/engine/engine_ceiling.py);
 - `--process`: the engine loop on a thread vs in its own process, and per torch
   thread count (`--num-threads 1 2`), 200 streams;
 - `--prefix`: prefix caching on vs off: a shared 1,024-token prefix plus unique
@@ -18,21 +18,21 @@ ignore_eos, 128-token prompts unless said):
 - `--roofline`: this machine's float32 and bfloat16 `torch.mm` rate at the model's own
   step products (`smollm2-135m` at 64 and 256 streams by default), the decode
   throughput it allows, and the engine's decode throughput as a share of it
-  (loadtests/gemm_roofline.py);
+  (loadtests/engine/gemm_roofline.py);
 - `--sampling`: greedy, temperature 1.0, and temperature 1.0 with top-k 50 and top-p 0.9
   on the trained preset (its 49k vocabulary), the sampler alone (beside the
-  whole-vocabulary sort) and the engine (loadtests/sampling_pace.py);
+  whole-vocabulary sort) and the engine (loadtests/engine/sampling_pace.py);
 - `--structured`: 200 streams, every fourth held to a JSON schema, beside the same
   requests with no constrained neighbours, and the grammar engine's cost per token
-  (loadtests/structured_outputs.py); `--constraint tools`: required tool calls instead;
+  (loadtests/engine/structured_outputs.py); `--constraint tools`: required tool calls instead;
 - `--accuracy`: each `--quantizations` mode's perplexity on a shipped text and its
-  top-1 agreement with `none` (`--dtype`; loadtests/quant_accuracy.py);
+  top-1 agreement with `none` (`--dtype`; loadtests/engine/quant_accuracy.py);
 - `--paths`: decode tok/s at each `--concurrency` with every quantized layer on each
-  of its paths, `none` beside (`--num-threads`, default 1; loadtests/quant_crossover.py);
+  of its paths, `none` beside (`--num-threads`, default 1; loadtests/engine/quant_crossover.py);
 - `--limits`: this machine's read bandwidth and an `--input-len` prompt's GEMM time
-  on every core (loadtests/machine_limits.py);
+  on every core (loadtests/engine/machine_limits.py);
 - `--tensor-parallel`: the decode step at one rank against two (one thread each), the
-  collectives' share of the step and a plan's cost (loadtests/tensor_parallel_pace.py).
+  collectives' share of the step and a plan's cost (loadtests/engine/tensor_parallel_pace.py).
 Configurations of a table are interleaved round by round (`--repeats`), medians.
 """
 from __future__ import annotations
@@ -43,10 +43,10 @@ import os
 import time
 
 from deltas.types import OutputKind
-from loadtests import datasets
-from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_engine,
+from loadtests.serving import datasets
+from loadtests.engine.engine_runner import (engine_config, greedy, random_prompts, run_engine,
                                      run_process_engine, sessions_of)
-from loadtests.metrics import format_table, median_rows, ratio
+from loadtests.serving.metrics import format_table, median_rows, ratio
 
 MODES = ("matrix", "ceiling", "process", "prefix", "structured", "roofline", "sampling",
          "accuracy", "paths", "limits", "tensor_parallel")
@@ -301,32 +301,32 @@ def main(argv: list[str] | None = None) -> dict:
     args.output_len, args.repeats = args.output_len or output_len, args.repeats or repeats
     os.makedirs(args.result_dir, exist_ok=True)
     if mode == "ceiling":
-        from loadtests.engine_ceiling import ceiling_run
+        from loadtests.engine.engine_ceiling import ceiling_run
         result = {"ceiling": [ceiling_run(m, c, args) for m in args.models for c in args.concurrency]}
     elif mode == "structured":
-        from loadtests.structured_outputs import report
+        from loadtests.engine.structured_outputs import report
         result = {f"{m} c={c}": report(m, c, args.constrained_every, args.input_len,
                                        args.output_len, args.repeats, args.constraint)
                   for m in args.models for c in args.concurrency}
     elif mode == "roofline":
-        from loadtests.gemm_roofline import report
+        from loadtests.engine.gemm_roofline import report
         result = report(args.models, args.concurrency, args.input_len, args.output_len)
     elif mode == "sampling":
-        from loadtests.sampling_pace import report
+        from loadtests.engine.sampling_pace import report
         result = report(args.models, args.concurrency, args.input_len, args.output_len,
                         args.repeats)
     elif mode == "accuracy":
-        from loadtests.quant_accuracy import report
+        from loadtests.engine.quant_accuracy import report
         result = report(args.models, args.quantizations, args.dtype or "float32", path=args.path)
     elif mode == "paths":
-        from loadtests.quant_crossover import report
+        from loadtests.engine.quant_crossover import report
         result = report(args.models[0], args.concurrency,
                         args.num_threads[0] if args.num_threads else 1, args.dtype or "auto")
     elif mode == "tensor_parallel":
-        from loadtests.tensor_parallel_pace import report
+        from loadtests.engine.tensor_parallel_pace import report
         result = report(args.models, args.concurrency, args.repeats)
     elif mode == "limits":
-        from loadtests.machine_limits import report
+        from loadtests.engine.machine_limits import report
         result = report(args.models[0], args.input_len, args.dtype or "auto")
     else:
         result = {"core": core_mode, "matrix": matrix_mode, "process": process_mode,

@@ -11,7 +11,7 @@ Six parts, each time-boxed and caught on its own, the JSON rewritten after each:
                     under torch's profiler (GPU busy time, kernels and host operators).
   quant_decode      one decode step's linear layers of the 8B shape in bfloat16, int8 and
                     int4 (the Triton kernel) at batch 1, 16 and 256, CUDA graphs
-                    (loadtests/gpu_quant_check.py)
+                    (loadtests/gpu/gpu_quant_check.py)
   end_to_end        the same shape through the offline AsyncEngine, all requests sent at
                     once, N=8 per-step streaming, N=8 per-window release and N=1, on two
                     workloads: 256 streams of 128 prompt / 256 output tokens, then 1,000
@@ -39,8 +39,8 @@ from unittest import mock
 import numpy as np
 import torch
 
-from loadtests.gpu_quant_check import check_quant_decode
-from loadtests.gpu_kernel_check import (Skipped, check_decode_kernel_accuracy, measure_decode_bandwidth,
+from loadtests.gpu.gpu_quant_check import check_quant_decode
+from loadtests.gpu.gpu_kernel_check import (Skipped, check_decode_kernel_accuracy, measure_decode_bandwidth,
                                         require_cuda)
 
 SEED_H100_REFERENCE = {
@@ -135,7 +135,7 @@ def _environment() -> dict:
     return env
 
 
-# -- parts a and c: the kernel checks (loadtests/gpu_kernel_check.py) ----------------------
+# -- parts a and c: the kernel checks (loadtests/gpu/gpu_kernel_check.py) ----------------------
 def part_kernel_accuracy(budget_s: float) -> dict:
     rows = check_decode_kernel_accuracy()
     return {"all_ok": all(r["ok"] for r in rows), "rows": rows}
@@ -216,7 +216,7 @@ def sharegpt_like_workload(num_requests: int, vocab_size: int, length_scale: flo
                            seed: int = 0) -> list[tuple[list[int], int]]:
     """(prompt ids, output length) pairs with the ShareGPT sample's lengths (vLLM's
     filter: prompt 4..1024, prompt + output <= 2048), in tokens, times length_scale."""
-    from loadtests.datasets import MAX_PROMPT_LEN, MAX_TOTAL_LEN, sample_sharegpt_requests
+    from loadtests.serving.datasets import MAX_PROMPT_LEN, MAX_TOTAL_LEN, sample_sharegpt_requests
     rng = np.random.default_rng(seed)
     workload = []
     for r in sample_sharegpt_requests(None, num_requests, seed=seed):
@@ -252,9 +252,9 @@ def e2e_workloads(quick: bool, num_requests: int | None, vocab_size: int,
 
 def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tuple[dict, object]:
     """One engine, all requests at once; (JSON result, BenchmarkSummary)."""
-    from loadtests.engine_runner import drain, greedy, stats_dict, stream_sessions
-    from loadtests.gpu_step_profile import StepMix, layer_ops_in_use
-    from loadtests.metrics import summarize
+    from loadtests.engine.engine_runner import drain, greedy, stats_dict, stream_sessions
+    from loadtests.gpu.gpu_step_profile import StepMix, layer_ops_in_use
+    from loadtests.serving.metrics import summarize
     from replicas.async_engine import AsyncEngine
     start = time.monotonic()
     engine = AsyncEngine(config)
@@ -301,7 +301,7 @@ def run_e2e_config(config, workload, budget_s: float, progress_s: float) -> tupl
 
 def part_end_to_end(report: Report, quick: bool, num_requests: int | None, budget_s: float,
                     kinds: tuple[str, ...] = WORKLOADS) -> dict:
-    from loadtests.metrics import format_result_block
+    from loadtests.serving.metrics import format_result_block
     from replicas import EngineConfig
     on_cuda = torch.cuda.is_available()
     if not (on_cuda or quick):
@@ -369,9 +369,9 @@ def _compare(configs: dict, skip_seed: bool) -> dict:
     return out
 
 
-# -- part e: where a full-batch decode step's time goes (loadtests/gpu_step_profile.py) ---
+# -- part e: where a full-batch decode step's time goes (loadtests/gpu/gpu_step_profile.py) ---
 def part_step_profile(quick: bool, budget_s: float) -> dict:
-    from loadtests.gpu_step_profile import profile_windows
+    from loadtests.gpu.gpu_step_profile import profile_windows
     on_cuda = torch.cuda.is_available()
     if not (on_cuda or quick):
         raise Skipped("skipped: no CUDA")

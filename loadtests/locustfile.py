@@ -2,7 +2,7 @@
 (loadtests/README.md: its flags, rows and the staged shape).
 
 Besides each request (timed to the end of the stream, not to the headers) it logs
-TTFT, ITL and TPOT (loadtests/metrics.py) into rows of their own type, not as
+TTFT, ITL and TPOT (loadtests/serving/metrics.py) into rows of their own type, not as
 request events, so the Aggregated row and its req/s count real requests only.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from locust import FastHttpUser, LoadTestShape, events, task
 
 if __package__ != "loadtests":  # run by path from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadtests import datasets  # noqa: E402
-from loadtests.metrics import Distribution, RequestTimeline, itls_s, tpot_s, ttft_s  # noqa: E402
-from loadtests.openai_stream import (CHAT_COMPLETIONS, COMPLETIONS, StreamParser,  # noqa: E402
+from loadtests.serving import datasets  # noqa: E402
+from loadtests.serving.metrics import Distribution, RequestTimeline, itls_s, tpot_s, ttft_s  # noqa: E402
+from loadtests.serving.openai_stream import (CHAT_COMPLETIONS, COMPLETIONS, StreamParser,  # noqa: E402
                                      build_payload, join_url)
 
 

@@ -1,6 +1,6 @@
 """A bounded soak: steady locust load for --minutes on loopback, then a verdict.
 
-It starts the local app (loadtests/local_server.py) unless --host names one, runs the
+It starts the local app (loadtests/serving/local_server.py) unless --host names one, runs the
 locust file headless with `--soak-out`, samples the app's RSS by role and the engines'
 KV cache usage meanwhile, and prints the first and the last minute (loadtests/README.md).
 Exit code 1 when any request failed.
@@ -21,8 +21,8 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
-from loadtests.local_server import LocalServer
-from loadtests.process_cpu import processes
+from loadtests.serving.local_server import LocalServer
+from loadtests.serving.process_cpu import processes
 
 ROLES = ("engine", "ingress", "front door")
 # NOTE: Ray's Prometheus exporter prefixes our metric names with "ray_".

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from cluster_support import free_port
-from loadtests.openai_stream import StreamParser
+from loadtests.serving.openai_stream import StreamParser
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "cluster/README.md", "loadtests/README.md", "docs/multinode.md")

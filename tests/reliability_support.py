@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadtests.openai_stream import StreamParser, event_text
+from loadtests.serving.openai_stream import StreamParser, event_text
 from run_lanes import LANE_PIDS_FILE_ENV
 
 ERROR_KEYS = {"message", "type", "param", "code"}

@@ -63,7 +63,7 @@ def say(line: str) -> None:
 
 
 # The launcher's exit status when Ray's own start-up gave up on a busy machine: a
-# temporary failure (sysexits' EX_TEMPFAIL), worth one more try (loadtests/local_server.py).
+# temporary failure (sysexits' EX_TEMPFAIL), worth one more try (loadtests/serving/local_server.py).
 EXIT_TRY_AGAIN = 75
 
 

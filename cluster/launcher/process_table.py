@@ -2,7 +2,7 @@
 time of each, and the tree below one of them. Linux only. Torch- and Ray-free.
 
 Used by the launcher's watchdog (cluster/launcher/process_reaper.py) and by the serving
-benchmark's CPU accounting (loadtests/process_cpu.py).
+benchmark's CPU accounting (loadtests/serving/process_cpu.py).
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cluster import serve_local
-from loadtests import bench_engine, fake_server, gpu_check, serving_matrix, serving_run, soak
+from loadtests import bench_engine, fake_server, gpu_check, soak
+from loadtests.serving import serving_matrix, serving_run
 
 PARSERS = {
     "serve_local": serve_local.parse_args,

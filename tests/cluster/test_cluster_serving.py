@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 
 from cluster_support import engine_handle, serve_app, wait_until
-from loadtests.client_wait import ClientWait
-from loadtests.openai_stream import StreamParser
+from loadtests.serving.client_wait import ClientWait
+from loadtests.serving.openai_stream import StreamParser
 from metrics_support import dashboard, dashboard_queries, names_in, scrape
 from reliability_support import pinned_stats
 from structured_output_schemas import SCHEMAS
@@ -456,7 +456,7 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_streams(server, tokenizer
     # refused after tokenizing: the message counts tokens, not characters
     assert error["code"] == "context_length_exceeded" and "1500" in error["message"], error
     # NOTE: less the time this test's own loop was stalled within each gap (it shares
-    # the cores with the server; loadtests/client_wait.py): that part is not the server's
+    # the cores with the server; loadtests/serving/client_wait.py): that part is not the server's
     gaps = own_wait.gaps_less_stalls(arrivals)
     print(f"\nlargest gap of a concurrent stream while 1.5M tokens were made: {max(gaps):.3f} s"
           f" (bound {max_gap_s:.2f} s; the reader's own stalls taken out)")

@@ -10,8 +10,8 @@ import asyncio
 import httpx
 import pytest
 
-from loadtests.local_server import LocalServer
-from loadtests.openai_stream import StreamParser
+from loadtests.serving.local_server import LocalServer
+from loadtests.serving.openai_stream import StreamParser
 
 pytestmark = [pytest.mark.ray, pytest.mark.front_door, pytest.mark.timeout(600)]
 

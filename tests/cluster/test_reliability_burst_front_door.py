@@ -38,8 +38,8 @@ import httpx
 import pytest
 import yaml
 
-from loadtests.client_wait import ClientWait
-from loadtests.local_server import LocalServer, free_port
+from loadtests.serving.client_wait import ClientWait
+from loadtests.serving.local_server import LocalServer, free_port
 from reliability_support import busy_core, stream_request
 
 pytestmark = [pytest.mark.ray, pytest.mark.front_door, pytest.mark.slows_the_machine,
@@ -283,7 +283,7 @@ def test_a_burst_of_50x_the_slots_on_a_slowed_machine_never_starves_admitted_str
     async def burst_round(client, round_no: int):
         """The running streams, then the burst: (running, sent, own_wait, waited)."""
         # NOTE: what this test's own loop (the running streams' reader) waited for a
-        # CPU: a stall it measures may be partly its own (loadtests/client_wait.py)
+        # CPU: a stall it measures may be partly its own (loadtests/serving/client_wait.py)
         own_wait = ClientWait().start()
         # NOTE: the burst's client starts first; once the running streams stream,
         # it is told to send

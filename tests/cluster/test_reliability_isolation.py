@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_support import engine_handle, serve_app, wait_until
-from loadtests.openai_stream import StreamParser
+from loadtests.serving.openai_stream import StreamParser
 from reliability_support import (engine_stats, greedy_texts, is_idle, is_openai_error,
                                  stream_request)
 

@@ -19,7 +19,7 @@ def _backends():
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("batch_size", [1, 5, 64])
 def test_decode_matches_torch_backend(num_heads, num_kv_heads, head_dim, block_size, batch_size):
-    from loadtests.gpu_kernel_check import accuracy_seq_lens, build_decode_case
+    from loadtests.gpu.gpu_kernel_check import accuracy_seq_lens, build_decode_case
     triton_backend, torch_backend = _backends()
     seq_lens = accuracy_seq_lens(batch_size, block_size, seed=batch_size)
     q, k_cache, v_cache, meta = build_decode_case(seq_lens, num_heads, num_kv_heads, head_dim,
@@ -34,7 +34,7 @@ def test_decode_matches_torch_backend(num_heads, num_kv_heads, head_dim, block_s
 
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_decode_fp32_is_exact_to_fp32_rounding(block_size):
-    from loadtests.gpu_kernel_check import build_decode_case
+    from loadtests.gpu.gpu_kernel_check import build_decode_case
     triton_backend, torch_backend = _backends()
     seq_lens = [1, block_size, block_size + 1, 3000, 0]
     q, k_cache, v_cache, meta = build_decode_case(seq_lens, 32, 8, 128, block_size,
@@ -94,7 +94,7 @@ def test_mixed_prefill_and_decode_match_torch_backend(block_size, prefill):
 
 def test_decode_replays_in_a_cuda_graph():
     """Captured once with static buffers, replayed after the lengths change."""
-    from loadtests.gpu_kernel_check import build_decode_case
+    from loadtests.gpu.gpu_kernel_check import build_decode_case
     from replicas.attention.triton_backend import TritonAttentionBackend
     _backends()
     seq_lens = [100, 17, 0, 600]

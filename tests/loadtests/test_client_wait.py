@@ -1,4 +1,4 @@
-"""The benchmark client's own wait for a CPU (loadtests/client_wait.py): measured on
+"""The benchmark client's own wait for a CPU (loadtests/serving/client_wait.py): measured on
 its event loop, flagged in the result when it would distort the latencies."""
 import asyncio
 import io
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from loadtests.client_wait import LOOP_STALL_FLAG_S, WAIT_SHARE_FLAG, ClientWait, warning
+from loadtests.serving.client_wait import LOOP_STALL_FLAG_S, WAIT_SHARE_FLAG, ClientWait, warning
 
 
 def _measure(blocking_s: float) -> dict:
@@ -56,7 +56,7 @@ def test_either_measure_flags_the_result(share, stall_ms, flagged):
 
 
 def test_a_launched_server_session_yields_to_the_client(tmp_path):
-    from loadtests.local_server import LocalServer, session_autogroup
+    from loadtests.serving.local_server import LocalServer, session_autogroup
 
     if session_autogroup() is None:
         pytest.skip("this process's session has no autogroup of its own")
@@ -96,7 +96,7 @@ def test_a_stall_is_kept_with_its_times_so_a_gap_can_discount_it():
 
 
 def test_a_session_nice_the_kernel_asks_to_retry_is_set_on_a_later_try(monkeypatch, tmp_path):
-    from loadtests import local_server
+    from loadtests.serving import local_server
 
     written, answers = [], [BlockingIOError(11, "again"), BlockingIOError(11, "again"), None]
 
@@ -120,7 +120,7 @@ def test_a_session_nice_the_kernel_asks_to_retry_is_set_on_a_later_try(monkeypat
 
 
 def test_a_session_without_an_autogroup_reads_as_none(monkeypatch):
-    from loadtests import local_server
+    from loadtests.serving import local_server
 
     assert local_server.session_autogroup(2 ** 22 + 1) is None  # no such process
     # a session still in the boot-time group: the kernel shows the file empty

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from loadtests.bench import main
-from loadtests.serving_run import BenchConfig, make_parser, run_benchmark
+from loadtests.serving.serving_run import BenchConfig, make_parser, run_benchmark
 from loadtests.fake_server import FakeServerConfig, FakeServerThread
-from loadtests.openai_stream import StreamParser, join_url
+from loadtests.serving.openai_stream import StreamParser, join_url
 
 SEED_HEADINGS = [
     "============ Serving Benchmark Result ============",
@@ -49,7 +49,7 @@ def test_every_request_succeeds_and_totals_match_the_server_usage(tmp_path, caps
     # per-window release: 10 tokens as chunks of 4, 4, 2 -> 3 chunks and 2 ITL gaps each
     assert all(r["num_chunks"] == 3 and len(r["itl_ms"]) == 2 for r in saved["requests"])
     assert result["mean_tokens_per_chunk"] == pytest.approx(10 / 3)
-    # the client's own wait for a CPU is part of every result (loadtests/client_wait.py)
+    # the client's own wait for a CPU is part of every result (loadtests/serving/client_wait.py)
     assert saved["client_longest_loop_stall_ms"] >= 0.0 and "client_cpu_wait_share" in saved
 
 

@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from loadtests import datasets
-from loadtests.datasets import build_conversations, render
+from loadtests.serving import datasets
+from loadtests.serving.datasets import build_conversations, render
 
 
 @pytest.fixture(scope="module")

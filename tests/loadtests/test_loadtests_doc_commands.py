@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import (bench, bench_engine, fake_server, gpu_check, noisy_neighbours,
-                       serving_matrix, serving_run, soak)
+from loadtests import bench, bench_engine, fake_server, gpu_check, soak
+from loadtests.serving import noisy_neighbours, serving_matrix, serving_run
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "cluster/README.md", "RELIABILITY.md", "loadtests/README.md",

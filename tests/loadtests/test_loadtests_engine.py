@@ -6,9 +6,9 @@ import gc
 import json
 
 from loadtests import gpu_check
-from loadtests.engine_ceiling import ceiling_run
+from loadtests.engine.engine_ceiling import ceiling_run
 from loadtests.bench_engine import chat_conversations, chat_sessions
-from loadtests.engine_runner import (engine_config, greedy, random_prompts, run_engine,
+from loadtests.engine.engine_runner import (engine_config, greedy, random_prompts, run_engine,
                                      run_process_engine, sessions_of)
 
 pytestmark = pytest.mark.slow  # engine benchmarks end to end: not in `make test-fast`

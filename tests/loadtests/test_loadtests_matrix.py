@@ -6,9 +6,10 @@ import textwrap
 
 import pytest
 
-from loadtests import bench, serving_matrix
-from loadtests.local_server import LIVE, LocalServer
-from loadtests.metrics import ratio
+from loadtests import bench
+from loadtests.serving import serving_matrix
+from loadtests.serving.local_server import LIVE, LocalServer
+from loadtests.serving.metrics import ratio
 
 pytestmark = pytest.mark.slow  # serving-matrix runs: not in `make test-fast`
 

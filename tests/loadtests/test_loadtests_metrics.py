@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from loadtests.client import RequestRecord
-from loadtests.datasets import SampleRequest
-from loadtests.metrics import (BenchmarkSummary, Distribution, RequestTimeline, format_result_block,
+from loadtests.serving.client import RequestRecord
+from loadtests.serving.datasets import SampleRequest
+from loadtests.serving.metrics import (BenchmarkSummary, Distribution, RequestTimeline, format_result_block,
                                itls_s, latency_s, summarize, tpot_s, ttft_s)
 
 SEED_BLOCK = """\

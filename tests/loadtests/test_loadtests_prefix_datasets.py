@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from loadtests import datasets
-from loadtests.serving_run import BenchConfig, make_parser, run_benchmark
+from loadtests.serving import datasets
+from loadtests.serving.serving_run import BenchConfig, make_parser, run_benchmark
 from loadtests.fake_server import FakeServerConfig, FakeServerThread
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from loadtests.metrics import format_cpu_block
-from loadtests.process_cpu import ProcessCpu, per_token_us, role_of
+from loadtests.serving.metrics import format_cpu_block
+from loadtests.serving.process_cpu import ProcessCpu, per_token_us, role_of
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -67,7 +67,7 @@ def test_per_token_figures_and_their_table():
 
 
 def test_the_step_threads_name_is_the_one_the_engine_gives():
-    from loadtests.process_cpu import ENGINE_STEP_THREAD
+    from loadtests.serving.process_cpu import ENGINE_STEP_THREAD
     from replicas.os_thread_name import ENGINE_STEP_THREAD as engines
 
     assert ENGINE_STEP_THREAD == engines
@@ -93,7 +93,7 @@ _ENGINE = ("import sys, threading, time\n"
 
 
 def test_an_engine_replicas_step_thread_is_counted_apart_within_the_engine(monkeypatch):
-    from loadtests import process_cpu
+    from loadtests.serving import process_cpu
 
     monkeypatch.setattr(process_cpu, "role_of", lambda cmdline, comm: "engine")  # a replica's title
     engine = subprocess.Popen([sys.executable, "-c", _ENGINE], stdin=subprocess.PIPE,

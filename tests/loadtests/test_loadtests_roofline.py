@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.gemm_roofline import matmul_flops_per_token, report, step_products
+from loadtests.engine.gemm_roofline import matmul_flops_per_token, report, step_products
 
 
 def _checkpoint(model: str):

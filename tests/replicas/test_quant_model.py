@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from loadtests import quant_accuracy
+from loadtests.engine import quant_accuracy
 from replicas import Engine, EngineConfig, SamplingParams
 from replicas.checkpoints.presets import ensure_model_dir
 from replicas.gguf.convert import ensure_gguf_dir

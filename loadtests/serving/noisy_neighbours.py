@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.local_server import LocalServer
+from loadtests.serving.local_server import LocalServer
 
 PHASES = ("alone", "schemas", "trickle")
 

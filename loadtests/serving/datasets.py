@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-DEFAULT_SHAREGPT_PATH = Path(__file__).parent / "data" / "sharegpt_sample.json"
+DEFAULT_SHAREGPT_PATH = Path(__file__).parents[1] / "data" / "sharegpt_sample.json"
 
 # vLLM's ShareGPT filter (benchmarks/benchmark_dataset.py: is_valid_sequence).
 MIN_SEQ_LEN = 4

@@ -209,7 +209,7 @@ def format_result_block(s: BenchmarkSummary) -> str:
 
 
 def format_cpu_block(cpu_us: dict[str, float]) -> str:
-    """CPU microseconds per output token by process role (loadtests/process_cpu.py),
+    """CPU microseconds per output token by process role (loadtests/serving/process_cpu.py),
     in the result block's layout, to print under it."""
     lines = [_section(" CPU us per output token ", "-")]
     lines += [_row(f"{role}:", float(us)) for role, us in cpu_us.items()]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-TEXT_PATH = Path(__file__).resolve().parent / "data" / "gfdl-1.3.txt"
+TEXT_PATH = Path(__file__).resolve().parents[1] / "data" / "gfdl-1.3.txt"
 DEFAULT_WINDOW = 512
 
 

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from loadtests.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
-from loadtests.metrics import format_table, median_rows
+from loadtests.engine.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
+from loadtests.serving.metrics import format_table, median_rows
 
 SETTINGS = {"greedy": dict(temperature=0.0), "t=1": dict(temperature=1.0),
             "t=1 top-k 50 top-p 0.9": dict(temperature=1.0, top_k=50, top_p=0.9)}

@@ -106,7 +106,7 @@ class LocalServer:
         """`session_nice` > 0: the server's session, as one autogroup, yields the CPU
         to this process's session when both want it, so a benchmark client on the same
         cores reads each event when it arrives, as a client on another machine would
-        (loadtests/client_wait.py says why). The server still gets every cycle the
+        (loadtests/serving/client_wait.py says why). The server still gets every cycle the
         client does not use."""
         self.host, self.port = host, port or free_port(host)
         self.command = [sys.executable, "-m", module, "--model", model, "--host", host,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one device run: `bash loadtests/gpu_run.sh OUT_DIR [GPU_CHECK_FLAGS...]` on a CUDA
+# The one device run: `bash loadtests/gpu/gpu_run.sh OUT_DIR [GPU_CHECK_FLAGS...]` on a CUDA
 # machine, from the repository root (e.g. `--workloads fixed` for a shorter check). tests/gpu first, then the one-shot check (python -m loadtests.gpu_check),
 # each under a hard timeout so that a hang still leaves its log in OUT_DIR.
 # GPU_TESTS_TIMEOUT_S, GPU_CHECK_BUDGET_S and GPU_CHECK_TIMEOUT_S size them (at most

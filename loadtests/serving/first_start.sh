@@ -2,10 +2,10 @@
 # What a newcomer meets with each model, side by side in one run: `make serve`'s
 # start time (launch to "Serving at", the GGUF already converted into the cache),
 # then TTFT at concurrency 1 and served output tok/s at 64 streams, through HTTP.
-#   bash loadtests/first_start.sh [MODEL ...]     (default: tiny smollm2-135m)
+#   bash loadtests/serving/first_start.sh [MODEL ...]     (default: tiny smollm2-135m)
 # Writes results/first_start/<model>-*.txt; prints one summary line per model.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 models=("${@:-tiny}")
 [ $# -gt 0 ] || models=(tiny smollm2-135m)
 out=results/first_start

@@ -3,7 +3,7 @@
 
 On one workload: the **ceiling** (the raw forward of our model over the same work,
 inputs built beforehand: no scheduler, sampler or output), the **engine** (the full
-AsyncEngine through loadtests/engine_runner.py), optionally the **baseline** (the
+AsyncEngine through loadtests/engine/engine_runner.py), optionally the **baseline** (the
 engine of another git revision under this revision's harness, interleaved), and the
 **breakdown** (one engine run under torch.profiler, its step split into phases).
 """
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from loadtests.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
-from loadtests.metrics import format_table, median_rows
+from loadtests.engine.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
+from loadtests.serving.metrics import format_table, median_rows
 from replicas import EngineConfig, SamplingParams
 from replicas.request import Request
 from replicas.scheduler import ScheduledSeq, SchedulerOutput
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class _NullSink:
@@ -109,7 +109,7 @@ def raw_forward(config: EngineConfig, num_seqs: int, input_len: int, output_len:
 # NOTE: the tree's `replicas` and `deltas` are imported first, then this revision's
 # harness (loadtests) is put in front: one harness measures both engines.
 _IN_TREE = ("import json, sys; sys.path[:0] = [sys.argv[1]]; import replicas, deltas; "
-            "sys.path[:0] = [sys.argv[2]]; from loadtests import engine_ceiling as c; "
+            "sys.path[:0] = [sys.argv[2]]; from loadtests.engine import engine_ceiling as c; "
             "print('RESULT ' + json.dumps(getattr(c, sys.argv[3])(*json.loads(sys.argv[4]))))")
 
 

@@ -1,6 +1,6 @@
 """The one offline engine runner: requests streamed from the engine with no HTTP, timed
 where a consumer sees them (TTFT at the first delta, ITL per delta received) and
-summarised by `loadtests.metrics`, as the serving benchmark summarises chunks.
+summarised by `loadtests.serving.metrics`, as the serving benchmark summarises chunks.
 
 A workload is a list of sessions; a session is requests sent one after another (a
 chat's turns; most sessions hold one request), `concurrency` sessions at once. The
@@ -19,7 +19,7 @@ import random
 import threading
 import time
 
-from loadtests.metrics import RequestTimeline, summarize
+from loadtests.serving.metrics import RequestTimeline, summarize
 from replicas import EngineConfig, SamplingParams
 
 Session = list[tuple[list[int], SamplingParams]]

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from loadtests.datasets import SampleRequest, TokenizerLike
-from loadtests.metrics import RequestTimeline, itls_s, latency_s, tpot_s, ttft_s
-from loadtests.openai_stream import StreamParser, build_payload, parse_full_response
+from loadtests.serving.datasets import SampleRequest, TokenizerLike
+from loadtests.serving.metrics import RequestTimeline, itls_s, latency_s, tpot_s, ttft_s
+from loadtests.serving.openai_stream import StreamParser, build_payload, parse_full_response
 
 
 @dataclass(slots=True)

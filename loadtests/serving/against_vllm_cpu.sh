@@ -3,7 +3,7 @@
 # same client for both (its own `vllm bench serve`: random 128-token prompts, 128
 # output tokens, ignore_eos, all sent at once, no temperature sent), one server at a
 # time on this machine, in ROUNDS interleaved rounds:
-#   bash loadtests/against_vllm_cpu.sh VLLM_VENV MODEL NUM_PROMPTS [ROUNDS [-- FLAGS...]]
+#   bash loadtests/serving/against_vllm_cpu.sh VLLM_VENV MODEL NUM_PROMPTS [ROUNDS [-- FLAGS...]]
 # MODEL: a preset (tiny, smollm2-135m); vllm serves the same weights from the
 # Hugging Face directory stepstream converted or materialised them into. FLAGS go
 # to a second stepstream row (e.g. -- --dtype float32).
@@ -18,7 +18,7 @@
 #   mkdir -p $sp/vllm-0.32.0+cpu.dist-info && : > $sp/vllm-0.32.0+cpu.dist-info/RECORD
 #   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $sp/vllm-0.32.0+cpu.dist-info/METADATA
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 vllm_venv=$1 model=$2 num_prompts=$3 rounds=${4:-2}
 shift $(( $# < 4 ? $# : 4 ))
 [ "${1:-}" = "--" ] && shift

@@ -14,7 +14,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from loadtests.engine_runner import random_prompts
+from loadtests.engine.engine_runner import random_prompts
 from replicas import Engine, EngineConfig, SamplingParams
 
 GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm")

@@ -4,11 +4,11 @@
 # tokens out, greedy, ignore_eos) and 64 streams (128 requests, 64 at a time), and
 # the engine replicas' resident memory after them. First this machine's read
 # bandwidth and a 128-token prompt's GEMM time (bench_engine --limits).
-#   bash loadtests/quant_serving.sh [MODEL]      (default: smollm2-135m)
-#   ROWS="auto|none" bash loadtests/quant_serving.sh   (rows: flags after --quantization)
+#   bash loadtests/serving/quant_serving.sh [MODEL]      (default: smollm2-135m)
+#   ROWS="auto|none" bash loadtests/serving/quant_serving.sh   (rows: flags after --quantization)
 # Writes results/quant_serving/*.txt; prints one line per row.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 model="${1:-smollm2-135m}"
 IFS='|' read -r -a rows <<< "${ROWS:-auto|none|auto --no-use-idle-cores|none --no-use-idle-cores}"
 out=results/quant_serving

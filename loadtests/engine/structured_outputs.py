@@ -23,8 +23,8 @@ import json
 import statistics
 import time
 
-from loadtests.engine_runner import engine_config, random_prompts, stream_sessions
-from loadtests.metrics import format_table, summarize
+from loadtests.engine.engine_runner import engine_config, random_prompts, stream_sessions
+from loadtests.serving.metrics import format_table, summarize
 from replicas import SamplingParams
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],

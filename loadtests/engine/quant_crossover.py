@@ -3,7 +3,7 @@ weights come from memory there, as they do when serving; a layer timed alone
 sits in the cache and favours the float paths).
 
 For each decode batch size, the offline engine decodes that many greedy streams
-with every quantized layer on one path (loadtests/quant_accuracy.py's
+with every quantized layer on one path (loadtests/engine/quant_accuracy.py's
 `route_rows`: the integer kernel, the batch kernel, the dequantized GEMM), all
 paths side by side in one run; `--quantization none` beside them.
 
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from loadtests.quant_accuracy import PATHS, route_rows
+from loadtests.engine.quant_accuracy import PATHS, route_rows
 
 PROMPT_LEN = 16
 NEW_TOKENS = 48

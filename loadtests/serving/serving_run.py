@@ -20,12 +20,12 @@ import aiohttp
 import numpy as np
 from tqdm.asyncio import tqdm
 
-from loadtests import datasets
-from loadtests.client import RequestRecord, RequestSpec, failed_record, send_request
-from loadtests.metrics import format_cpu_block, format_result_block, summarize
-from loadtests.client_wait import ClientWait, warning as client_wait_warning
-from loadtests.process_cpu import ProcessCpu, per_token_us
-from loadtests.openai_stream import COMPLETIONS, CHAT_COMPLETIONS, join_url
+from loadtests.serving import datasets
+from loadtests.serving.client import RequestRecord, RequestSpec, failed_record, send_request
+from loadtests.serving.metrics import format_cpu_block, format_result_block, summarize
+from loadtests.serving.client_wait import ClientWait, warning as client_wait_warning
+from loadtests.serving.process_cpu import ProcessCpu, per_token_us
+from loadtests.serving.openai_stream import COMPLETIONS, CHAT_COMPLETIONS, join_url
 
 
 # multiturn: a replay of multi-turn ShareGPT conversations, each turn's prompt
@@ -249,7 +249,7 @@ def _write_outputs(cfg: BenchConfig, result: dict) -> None:
         path.write_text(json.dumps(result, indent=1))
         result["result_path"] = str(path)
     if cfg.plot:
-        from loadtests.plots import plot_distributions  # matplotlib only when asked
+        from loadtests.serving.plots import plot_distributions  # matplotlib only when asked
 
         path = _result_path(cfg, stamp, ".png")
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,8 @@ the tokens per second no engine could beat with these kernels: the **roofline**
 (attention, norms, sampling and Python are all on top of it). The engine's decode
 throughput is B streams over the engine's step time while all B decode, on the same
 machine in the same run, with that step's time split into GEMMs, attention and the
-rest (loadtests/decode_breakdown.py). Streams over the median TPOT of a run through
-the streaming engine (loadtests/engine_runner.py), printed beside it, also counts the
+rest (loadtests/engine/decode_breakdown.py). Streams over the median TPOT of a run through
+the streaming engine (loadtests/engine/engine_runner.py), printed beside it, also counts the
 prefills a stream waits through after its first token.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from loadtests.decode_breakdown import MAX_TOKENS, breakdown
-from loadtests.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
-from loadtests.metrics import format_table
+from loadtests.engine.decode_breakdown import MAX_TOKENS, breakdown
+from loadtests.engine.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
+from loadtests.serving.metrics import format_table
 from replicas.config import EngineConfig
 from replicas.kv_cache.kv_budget import bytes_per_block
 

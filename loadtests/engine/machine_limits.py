@@ -2,9 +2,9 @@
 
 - read bandwidth: `torch.sum` over 256 MB on every core (GB/s). A lone decode
   stream reads every weight once per token, so weight bytes / bandwidth is the
-  least time a token can take: the roofline of `loadtests/quant_serving.sh`.
+  least time a token can take: the roofline of `loadtests/serving/quant_serving.sh`.
 - a prompt's GEMM time: every (prompt x in) @ (in x out) product a prefill of
-  `--prompt-len` tokens runs (loadtests/gemm_roofline.py's shapes; the lm-head for
+  `--prompt-len` tokens runs (loadtests/engine/gemm_roofline.py's shapes; the lm-head for
   the one row sampled), by torch.mm in the engine's dtype on every core: the least
   time its TTFT can take with these kernels.
 
@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from loadtests.gemm_roofline import median_seconds, step_products, time_mm
+from loadtests.engine.gemm_roofline import median_seconds, step_products, time_mm
 
 
 def read_bandwidth_gbs(megabytes: int = 256) -> float:

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from loadtests.serving_run import BenchConfig, make_parser, run_benchmark
-from loadtests.local_server import LocalServer, free_port, wait_healthy
-from loadtests.metrics import format_table, median_rows, ratio
-from loadtests.process_cpu import SHOWN as CPU_ROLES
+from loadtests.serving.serving_run import BenchConfig, make_parser, run_benchmark
+from loadtests.serving.local_server import LocalServer, free_port, wait_healthy
+from loadtests.serving.metrics import format_table, median_rows, ratio
+from loadtests.serving.process_cpu import SHOWN as CPU_ROLES
 
 APP_NAME = "stepstream"
 
@@ -55,7 +55,7 @@ def _served(args, row: Row, base_url: str, pid: int | None, result_dir: Path) ->
 
 
 def _offline(args, row: Row) -> dict:
-    from loadtests.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
+    from loadtests.engine.engine_runner import engine_config, greedy, random_prompts, run_engine, sessions_of
     b = {**vars(args), **row.bench}
     t = 1.0 if b["temperature"] is None else b["temperature"]
     prompts = random_prompts(b["num_prompts"], b["random_input_len"])
@@ -150,7 +150,7 @@ DEFAULT_VARIANTS = ("default=", "serve proxy=--front-door serve-proxy")
 POLICIES = {"by load": 0, "prefix-aware": 256}  # prefix_routing_tokens
 # NOTE: the servers this starts share the cores with the client. At an even share a
 # saturated server's session kept the client off the CPU for up to seconds, and its
-# per-step events arrived in bursts (median ITL 0.01 ms; loadtests/client_wait.py).
+# per-step events arrived in bursts (median ITL 0.01 ms; loadtests/serving/client_wait.py).
 # At 5 the client's session outweighs the server's 3:1 when both want a core; it
 # wants ~10% of one, so the server loses only what the client uses anyway.
 SERVER_SESSION_NICE = 5
@@ -194,7 +194,7 @@ def report_compare(rows: dict[str, dict], args, result_dir: Path) -> dict:
     (result_dir / "compare.json").write_text(json.dumps(out, indent=1, default=str))
     ok_rows = {n: r for n, r in rows.items() if not r.get("error")}
     if ok_rows:
-        from loadtests.plots import plot_comparison  # matplotlib only here
+        from loadtests.serving.plots import plot_comparison  # matplotlib only here
         plot_comparison(ok_rows, [(k, h) for k, h, _ in COLUMNS], result_dir / "compare.png",
                         f"{args.model}: {args.num_prompts} prompts, {args.random_input_len} in / "
                         f"{args.random_output_len} out")

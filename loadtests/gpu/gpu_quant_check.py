@@ -71,7 +71,7 @@ def _step_time_s(layers, shapes, batch: int, device: torch.device, dtype: torch.
 def check_quant_decode(quick: bool) -> dict:
     """Per batch and scheme: the decode step's linear time (ms, 32 layers) and its
     ratio to bfloat16's."""
-    from loadtests.gpu_kernel_check import require_cuda
+    from loadtests.gpu.gpu_kernel_check import require_cuda
 
     device = torch.device("cpu") if quick and not torch.cuda.is_available() else require_cuda()
     shapes = QUICK_LAYER if quick else LAYER_8B
