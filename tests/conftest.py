@@ -8,12 +8,16 @@ import pytest
 
 
 _ENGINE_FOLDERS = ("replicas", "gpu")  # tests/<folder>/: the engine's tests
+# ... but for these, among the longest: the other lane without Ray has the time (its
+# tests are shorter), and the two end closer together
+_IN_THE_OTHER_LANE = {"test_trained_parity.py", "test_tensor_parallel.py"}
 
 
 def pytest_itemcollected(item):
     # NOTE: here, before `-m` deselects: `make test` runs the engine's tests without
     # Ray in a lane of their own (tests/run_lanes.py)
-    if item.path.parent.name in _ENGINE_FOLDERS and item.path.parent.parent.name == "tests":
+    if (item.path.parent.name in _ENGINE_FOLDERS and item.path.parent.parent.name == "tests"
+            and item.path.name not in _IN_THE_OTHER_LANE):
         item.add_marker(pytest.mark.engine)
 
 

@@ -2,7 +2,8 @@
 
 - "engine" and "no Ray": every test that starts no Ray (torch work mostly), at a
   lower CPU priority (nice 10), in two lanes: the engine's tests (marker `engine`,
-  tests/replicas and tests/gpu) and the rest. A pytest process uses one core, and the
+  tests/replicas and tests/gpu but their two longest modules: tests/conftest.py) and
+  the rest. A pytest process uses one core, and the
   Ray lanes leave about one of two idle on average: one lane of these took about 9.5
   minutes beside them, twice its time alone;
 - "Ray": every test that runs Ray in the pytest process (one local Ray that
