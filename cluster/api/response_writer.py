@@ -193,31 +193,26 @@ async def sse_events(relays: list[Relay], formatter, chat: bool, labels: TokenLa
                 text_offsets[i] += len(td.text)
                 num_output_tokens[i] = td.num_output_tokens
                 num_unfinished -= td.finish_reason is not None
-                if tool_streams is not None:
-                    delta = tool_streams[i].feed(td.text, td.finish_reason is not None)
-                    if not (delta or td.finish_reason is not None or logprobs is not None):
-                        continue
-                    usage = (None if choice_prompt_tokens is None else
-                             (choice_prompt_tokens[i], td.num_output_tokens))
+                finished = td.finish_reason is not None
+                delta = tool_streams[i].feed(td.text, finished) if tool_streams else None
+                has_text = bool(delta) if tool_streams else bool(td.text)
+                if not (has_text or finished or logprobs is not None):
+                    continue
+                usage = (None if choice_prompt_tokens is None else
+                         (choice_prompt_tokens[i], td.num_output_tokens))
+                if delta is None:
+                    event = formatter.chunk_event(td.text, _finish_reason(td), logprobs,
+                                                  td.stop_reason, i, usage)
+                else:  # a tool-calling choice's content and tool-call deltas
                     finish = tool_answers.finish_reason(_finish_reason(td),
                                                         tool_streams[i].made_calls)
                     event = formatter.delta_event(i, delta, finish, logprobs, td.stop_reason,
                                                   usage)
-                    timings[i].event()
-                    if num_unfinished:
-                        yield event
-                    else:
-                        last_event = event
-                elif td.text or td.finish_reason is not None or logprobs is not None:
-                    usage = (None if choice_prompt_tokens is None else
-                             (choice_prompt_tokens[i], td.num_output_tokens))
-                    event = formatter.chunk_event(td.text, _finish_reason(td), logprobs,
-                                                  td.stop_reason, i, usage)
-                    timings[i].event()
-                    if num_unfinished:
-                        yield event
-                    else:
-                        last_event = event
+                timings[i].event()
+                if num_unfinished:
+                    yield event
+                else:
+                    last_event = event
         for timing, n in zip(timings, num_output_tokens):
             timing.finish(n)
         usage = (formatter.usage_event(num_prompt_tokens, sum(num_output_tokens))

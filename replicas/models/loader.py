@@ -30,9 +30,6 @@ class _Checkpoint:
         self._where = {name: f for f in self._files for name in f.keys()}
         self._taken: set[str] = set()
 
-    def names(self) -> list[str]:
-        return list(self._where)
-
     def take(self, name: str, rows: slice | None = None, cols: slice | None = None,
              model_dir: str = "") -> torch.Tensor:
         if name not in self._where:
