@@ -38,14 +38,15 @@ def chat_for_template(messages: list[dict], tools: list[dict] | None,
         return [_native(m) for m in messages], tools
     rendered: list[dict] = []
     names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or ()}
+    last_was_result = False  # consecutive results share one user turn
     for m in messages:
         if m["role"] == "tool":
             name = names.get(m["tool_call_id"], "the function")
             text = f"{name} returned: {m['content']}"
-            if rendered and rendered[-1].get("_tool_results"):
+            if last_was_result:
                 rendered[-1]["content"] += "\n" + text
             else:
-                rendered.append({"role": "user", "content": text, "_tool_results": True})
+                rendered.append({"role": "user", "content": text})
         elif m["role"] == "assistant" and m.get("tool_calls"):
             calls = "\n".join(f"<tool_call>\n{call_json(c['function']['name'], c['function']['arguments'], HERMES)}\n</tool_call>"
                               for c in m["tool_calls"])
@@ -53,7 +54,7 @@ def chat_for_template(messages: list[dict], tools: list[dict] | None,
             rendered.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
         else:
             rendered.append({"role": m["role"], "content": m.get("content") or ""})
-    rendered = [{k: v for k, v in m.items() if k != "_tool_results"} for m in rendered]
+        last_was_result = m["role"] == "tool"
     if tools:
         prompt = TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
         if rendered and rendered[0]["role"] == "system":
