@@ -157,13 +157,16 @@ def test_cluster_configs_bind_the_dashboard_to_loopback(name):
     assert "0.0.0.0" not in yaml.safe_dump(_load(name))
 
 
-def test_both_deployments_take_the_shutdown_wait_loop():
-    """Serve's own deployment option, from one key of the app's args."""
+def test_both_deployments_take_the_shutdown_wait_loop_and_timeout():
+    """Serve's own deployment options, from the app's args: a drain's limit is ours,
+    not Serve's 20 s default (tests/cluster/test_reliability_drain.py drains streams)."""
     from cluster.app import AppArgs, build_app
 
-    args = AppArgs.model_validate({"graceful_shutdown_wait_loop_s": 0.5})
+    args = AppArgs.model_validate({"graceful_shutdown_wait_loop_s": 0.5,
+                                   "graceful_shutdown_timeout_s": 120.0})
     for options in (args.engine_options(), args.ingress_options()):
         assert options["graceful_shutdown_wait_loop_s"] == 0.5
+        assert options["graceful_shutdown_timeout_s"] == 120.0
     build_app({"graceful_shutdown_wait_loop_s": 0.5})  # Serve takes it for both deployments
     assert AppArgs().graceful_shutdown_wait_loop_s == 2.0  # Serve's default
     with pytest.raises(ValueError):

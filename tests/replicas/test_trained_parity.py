@@ -1,7 +1,7 @@
 """Correctness on trained weights: our engine on the converted SmolLM2 GGUF against
 transformers loading the same file: every greedy token is transformers' argmax
-after the same prefix (at N=1 and N=8, with and without prefix caching and
-chunked prefill)."""
+after the same prefix (at N=1, and at N=1 and N=8 with prefix caching and chunked
+prefill)."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +14,8 @@ from tests import trained_model
 
 pytestmark = pytest.mark.slow  # the trained model and transformers' own load: not in `make test-fast`
 
-NUM_NEW_TOKENS = 64
+# NOTE: every answer crosses two or more KV blocks (16 tokens each) past its prompt
+NUM_NEW_TOKENS = 40
 # A float32 reduction in another order moves a logit by ~1e-5; a real bug moves it
 # by far more than this.
 NEAR_TIE = 1e-3
@@ -36,7 +37,7 @@ def _transformers_logits(prompt: list[int], answer: list[int]) -> torch.Tensor:
 
     Why not transformers' own greedy generate: a greedy answer equals it exactly when
     every token is transformers' argmax after the same prefix, which one causal
-    forward pass checks for every position at once (64 one-token passes per prompt
+    forward pass checks for every position at once (a one-token pass per token
     took most of this module's time), and past a near-tie it keeps checking the
     rest of the answer where a comparison of two sequences would have to stop."""
     ids = torch.tensor([prompt + answer])
@@ -75,7 +76,6 @@ def _first_disagreement(prompt: list[int], answer: list[int]):
 _NONE = dict(quantization="none")
 CONFIGS = {
     "N=1": dict(num_scheduler_steps=1, enable_prefix_caching=False, **_NONE),
-    "N=8": dict(num_scheduler_steps=8, enable_prefix_caching=False, **_NONE),
     # NOTE: 24 tokens a step: every chat prompt (their shared system prompt
     # included) is prefilled in chunks, and the second pass meets its cached blocks
     "N=8, prefix caching, chunked prefill": dict(num_scheduler_steps=8, enable_prefix_caching=True,
