@@ -11,7 +11,7 @@ import pytest
 
 from replicas import Engine, EngineConfig, SamplingParams
 
-NUM_RUNS = 12
+NUM_RUNS = 8
 
 
 def _check_blocks(engine) -> None:
