@@ -67,9 +67,10 @@ _HELP = {
                     "checkpoints as stored; none: dequantized at load (the exact path); gguf: "
                     "a GGUF file's own types, also on a GPU (Triton); int8/int4: float "
                     "weights quantized at load (replicas/quant/choice.py)",
-    "use_idle_cores": "CPU: while every other engine replica on the machine is idle, this one's "
-                      "steps run on all the cores (a lone stream gets the machine's memory "
-                      "bandwidth); with num_threads below the cores",
+    "use_idle_cores": "CPU: while every other engine replica on the machine is idle and no other "
+                      "process wants a core, this one's steps run on all the cores (a lone "
+                      "stream gets the machine's memory bandwidth); with num_threads below the "
+                      "cores",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes computed before (system "
                              "prompts, chat turns)",
 }

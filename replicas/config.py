@@ -278,7 +278,8 @@ class EngineConfig:
     max_waiting_prompt_tokens: int | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave as is
     # CPU, with num_threads below the cores: while every other engine replica on the
-    # machine is idle, this one's steps run on all the cores (replicas/idle_cores.py)
+    # machine is idle and no other process wants a core, this one's steps run on all
+    # the cores (replicas/idle_cores.py)
     use_idle_cores: bool = True
     # Reuse the K/V of full blocks of earlier prompts (shared system prompts, chat
     # turns); cached blocks stay until free blocks run out.

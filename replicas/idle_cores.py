@@ -1,6 +1,7 @@
 """A lone stream on a CPU machine gets every core: engine replicas that share a
 machine say on a board whether they have work, and a replica with work while
-every other one is idle runs its steps on all the cores.
+every other one is idle, and no other process wants a core either, runs its steps
+on all the cores.
 
 Why: the local layout gives each engine replica one core's threads
 (cluster/launcher/cpu_layout.py), which is what many streams need, but a decode
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import mmap
 import os
 import stat
@@ -125,13 +127,61 @@ class CoreBoard:
         self._map = None
 
 
+# Other processes' threads wanting a core (averaged) past which a lone engine keeps
+# to its own threads: beside a busy process its extra threads would wait on each
+# other at the end of every op for a core that process holds, and slow it too. A
+# lone stream's own HTTP side (ingress, proxy, a client) wants far less than this.
+OTHERS_WANTING_CORES = 0.5
+DEMAND_TAU_S = 0.25  # the average's time constant: a burst shorter than this hardly counts
+DEMAND_SAMPLE_S = 0.01  # look no more often than this
+
+
+def _runnable_now() -> int:
+    """Threads of the whole machine running or waiting for a core now, the caller
+    included (Linux: /proc/loadavg's fourth field)."""
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].split("/")[0])
+
+
+class MachineDemand:
+    """How many threads of other processes want a core, averaged over about
+    DEMAND_TAU_S: the machine's runnable threads less this engine's own. Demand,
+    not CPU time: a process at a lower priority that this engine's threads keep from
+    running still counts. The count is the kernel's, for the whole host: in a
+    container on a busy shared host the replica keeps to its share. 0.0 where it
+    cannot be read (not Linux): then the board alone decides."""
+
+    def __init__(self, read_runnable=_runnable_now, clock=time.monotonic):
+        self._read_runnable, self._clock = read_runnable, clock
+        self.others = 0.0
+        self._last: float | None = None
+
+    def others_wanting_cores(self, own_threads: int) -> float:
+        """`own_threads`: this engine's threads that may be running now (the caller,
+        and the torch threads of its last step, which may still be spinning)."""
+        now = self._clock()
+        if self._last is not None and now - self._last < DEMAND_SAMPLE_S:
+            return self.others
+        try:
+            others = max(0, self._read_runnable() - own_threads)
+        except (OSError, ValueError, IndexError):
+            return self.others
+        weight = 1.0 if self._last is None else 1.0 - math.exp(-(now - self._last) / DEMAND_TAU_S)
+        self.others += weight * (others - self.others)
+        self._last = now
+        return self.others
+
+
 class StepThreads:
     """The torch thread count of each engine step: `own` threads while any other
-    engine on the machine has work, every usable core while all are idle."""
+    engine on the machine has work or other processes want its cores, every usable
+    core while all are idle."""
 
-    def __init__(self, own: int, board: CoreBoard, cores: int | None = None):
+    def __init__(self, own: int, board: CoreBoard, cores: int | None = None,
+                 demand: MachineDemand | None = None):
         self.own, self.board = own, board
         self.cores = cores or usable_cores()
+        self.demand = demand or MachineDemand()
         self.current = own
 
     @classmethod
@@ -154,7 +204,8 @@ class StepThreads:
         import torch
 
         self.board.publish(num_rows)
-        threads = self.cores if self.board.others_idle() else self.own
+        others_want_cores = self.demand.others_wanting_cores(self.current) >= OTHERS_WANTING_CORES
+        threads = self.cores if self.board.others_idle() and not others_want_cores else self.own
         if threads != self.current:
             torch.set_num_threads(threads)
             self.current = threads
