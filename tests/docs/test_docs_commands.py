@@ -37,6 +37,7 @@ import pytest
 import yaml
 
 from cluster.launcher.console import EXIT_TRY_AGAIN
+from cluster.serve_local import RAY_START_TIMED_OUT
 from cluster_support import free_port
 from docs_support import (
     MAKE_VARS, READY_TIMEOUT_S, REPO, Foreground, Shell, Snippet, all_snippets, assert_streams,
@@ -291,7 +292,17 @@ def test_serve_run_serves_until_ctrl_c(sandbox):
     text = _serve_config(snip, with_venv(snip.text), sandbox.root / "serve-run.yaml", port)
     fg = Foreground(sandbox, "serve-run", preamble(), text)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", alive=lambda: fg.proc.poll() is None)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", alive=lambda: fg.proc.poll() is None)
+        except AssertionError as ended:
+            # NOTE: Ray's own CLI: its node's fixed 30 s to register can run out beside
+            # the suite's other lanes (the launcher says "start it again" then, see
+            # test_make_serve_...); a user runs it again, once
+            if RAY_START_TIMED_OUT not in fg.output():
+                raise AssertionError(f"{ended}:\n{fg.output()[-4000:]}") from None
+            fg.kill()
+            fg = Foreground(sandbox, "serve-run-again", preamble(), text)
+            wait_healthy(f"http://127.0.0.1:{port}", alive=lambda: fg.proc.poll() is None)
         curl = _one_curl()
         res = _run_bash(sandbox, _local_port(curl, curl.text, port))
         assert res.returncode == 0, res.stderr
