@@ -13,6 +13,7 @@ import time
 import pytest
 
 from cluster.transport.owner_liveness import find_dead_owners
+from cluster_support import init_local_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.own_ray, pytest.mark.timeout(180)]
 
@@ -34,8 +35,8 @@ def owner_cls():
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # NOTE: address="local" starts a new instance: never one `ray start` left running
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False,
+                   configure_logging=False)
     try:
         # tests/ is not an installed package: ship the class by value
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
