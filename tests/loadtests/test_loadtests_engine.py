@@ -33,14 +33,22 @@ def test_shared_prefix_and_chat_rows():
 
 def test_thread_and_process_engines_stream_every_token():
     # NOTE: four windows of 8 steps (the default): released per window, every chunk
-    # would hold 8 tokens at least; a test process niced beside two other lanes once
-    # fell behind a whole 6-token answer and read it as one chunk
+    # would hold 8 tokens at least, in every run. Released per step, a chunk merges
+    # tokens only while the reader is behind, and a test process niced beside the
+    # suite's other lanes can fall behind a whole answer (a run of 32-token answers
+    # once read 16 tokens a chunk): the best of up to three runs counts.
     work = sessions_of(random_prompts(4, 16), greedy(32))
-    for row in (run_engine(engine_config("tiny"), work, 2),
-                run_process_engine(dict(model="tiny", max_num_seqs=256), work, 4)):
-        assert (row["completed"], row["failed"], row["total_output_tokens"]) == (4, 0, 128)
-        # per-step release: one token a step, merged only while the reader is behind
-        assert 1.0 <= row["mean_tokens_per_chunk"] < 8.0
+    runs = (lambda: run_engine(engine_config("tiny"), work, 2),
+            lambda: run_process_engine(dict(model="tiny", max_num_seqs=256), work, 4))
+    for run in runs:
+        per_chunk = []
+        for _ in range(3):
+            row = run()
+            assert (row["completed"], row["failed"], row["total_output_tokens"]) == (4, 0, 128)
+            per_chunk.append(row["mean_tokens_per_chunk"])
+            if per_chunk[-1] < 8.0:
+                break
+        assert 1.0 <= min(per_chunk) < 8.0, per_chunk
 
 
 def test_ceiling_run_measures_forward_engine_and_breakdown(tmp_path, capsys):
