@@ -6,6 +6,7 @@
 # Writes results/first_start/<model>-*.txt; prints one summary line per model.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source loadtests/serving/launcher.sh
 models=("${@:-tiny}")
 [ $# -gt 0 ] || models=(tiny smollm2-135m)
 out=results/first_start
@@ -14,14 +15,7 @@ port=8123
 for model in "${models[@]}"; do
   log="$out/$model-serve.txt"
   start=$(date +%s.%N)
-  .venv/bin/python -m cluster.serve_local --model "$model" --port "$port" > "$log" 2>&1 &
-  pid=$!
-  trap 'kill -INT $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
-  for _ in $(seq 1 600); do
-    grep -q "^Serving at" "$log" && break
-    kill -0 $pid 2>/dev/null || { cat "$log"; exit 1; }
-    sleep 0.2
-  done
+  start_launcher "$log" --model "$model" --port "$port"
   ready=$(date +%s.%N)
   .venv/bin/python -m loadtests.bench --port "$port" --model "$model" --dataset-name random \
       --input-len 128 --output-len 32 --num-prompts 8 --max-concurrency 1 --ignore-eos \
@@ -29,8 +23,7 @@ for model in "${models[@]}"; do
   .venv/bin/python -m loadtests.bench --port "$port" --model "$model" --dataset-name random \
       --input-len 128 --output-len 128 --num-prompts 128 --max-concurrency 64 --ignore-eos \
       > "$out/$model-c64.txt" 2>&1
-  kill -INT $pid; wait $pid 2>/dev/null || true
-  trap - EXIT
+  stop_launcher
   ttft=$(grep -m1 "Median TTFT" "$out/$model-c1.txt" | awk '{print $NF}')
   toks=$(grep -m1 "Output token throughput" "$out/$model-c64.txt" | awk '{print $NF}')
   printf '%s: start %.1f s, median TTFT at concurrency 1 %s ms, output tok/s at 64 streams %s\n' \

@@ -9,6 +9,7 @@
 # Writes results/quant_serving/*.txt; prints one line per row.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source loadtests/serving/launcher.sh
 model="${1:-smollm2-135m}"
 IFS='|' read -r -a rows <<< "${ROWS:-auto|none|auto --no-use-idle-cores|none --no-use-idle-cores}"
 out=results/quant_serving
@@ -22,15 +23,7 @@ for row in "${rows[@]}"; do
   name=$(echo "$row" | tr ' ' '_' | tr -d '-')
   log="$out/$name-serve.txt"
   # shellcheck disable=SC2086
-  .venv/bin/python -m cluster.serve_local --model "$model" --port "$port" --quantization $row \
-      > "$log" 2>&1 &
-  pid=$!
-  trap 'kill -INT $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
-  for _ in $(seq 1 900); do
-    grep -q "^Serving at" "$log" && break
-    kill -0 $pid 2>/dev/null || { cat "$log"; exit 1; }
-    sleep 0.2
-  done
+  start_launcher "$log" --model "$model" --port "$port" --quantization $row
   .venv/bin/python -m loadtests.bench --port "$port" --model "$model" --dataset-name random \
       --input-len 128 --output-len 128 --num-prompts 8 --max-concurrency 1 --ignore-eos \
       --temperature 0 --server-pid $pid > "$out/$name-c1.txt" 2>&1
@@ -39,8 +32,7 @@ for row in "${rows[@]}"; do
       --temperature 0 --server-pid $pid > "$out/$name-c64.txt" 2>&1
   rss=$(ps -eo rss=,args= | awk '$2 ~ /^ray::ServeReplica:.*EngineReplica/ {s += $1; n++}
       END {printf "%.0f MB in %d replica(s)", s / 1024, n}')
-  kill -INT $pid; wait $pid 2>/dev/null || true
-  trap - EXIT
+  stop_launcher
   weights=$(grep -m1 -o "weights [^;]*MB" "$log" || echo "weights ?")
   field() { grep -m1 "$1" "$2" | awk '{print $NF}'; }
   printf '%s: lone stream %s tok/s, TPOT p50 %s ms, TTFT p50 %s ms; 64 streams %s tok/s; engine RSS %s; %s\n' \
